@@ -1,0 +1,20 @@
+# Every stage is a Hydra app; pass overrides with ARGS="key=value ...".
+PY := .venv/bin/python
+ARGS ?=
+INIT ?= aqmedai_k2
+
+.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo bench-vocab clean
+
+setup: .venv/.installed
+.venv/.installed: pyproject.toml ; python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]' && touch $@
+test: setup ; $(PY) -m pytest tests $(ARGS)
+faults: setup ; $(PY) -m pytest tests/faults $(ARGS)
+mini-world: setup ; $(PY) data/run_mini_world.py $(ARGS)
+prepare: setup ; $(PY) data/run_prepare.py $(ARGS)
+capture-hidden: setup ; $(PY) data/run_capture.py $(ARGS)
+vocab: setup ; $(PY) data/run_vocab.py $(ARGS)
+train: setup ; $(PY) train/run.py +init=$(INIT) $(ARGS)
+eval: setup ; $(PY) eval/run.py $(ARGS)
+export: setup ; $(PY) eval/run_export.py $(ARGS)
+demo: setup ; $(PY) eval/run_demo.py $(ARGS)
+clean: ; rm -rf runs

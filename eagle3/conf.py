@@ -1,0 +1,77 @@
+"""Config plumbing shared by every stage: the `repo_root` resolver, composing a stage's
+primary config (for tests and the demo), and turning a DictConfig into its typed schema.
+
+Imports hydra/omegaconf, so only entry points and stage code use it; the core math does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from eagle3 import REPO_ROOT
+
+CONF_DIR = REPO_ROOT / "conf"
+T = TypeVar("T")
+
+if not OmegaConf.has_resolver("repo_root"):
+    OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with the reason in the message."""
+
+
+def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
+    """Validate `cfg` against the dataclass `schema` (types, unknown or missing keys) and
+    return the typed, fully resolved object."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        obj = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf raises many types; all mean "bad config"
+        raise ConfigError(f"invalid {schema.__name__} config: {e}") from e
+    _validate_tree(obj)
+    return obj  # type: ignore[return-value]
+
+
+def _validate_tree(obj: Any) -> None:
+    """Call `validate()` on every dataclass in the tree, children first."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        _validate_tree(getattr(obj, f.name))
+    post = getattr(obj, "validate", None)
+    if callable(post):
+        post()
+
+
+def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
+    """Compose `conf/<stage>.yaml` with overrides, as `@hydra.main` would (used by tests/demo)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name=stage):
+        cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def as_plain_dict(obj: Any) -> Any:
+    """Dataclass/DictConfig -> JSON-friendly dict (for manifests)."""
+    if dataclasses.is_dataclass(obj):
+        return {k: as_plain_dict(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, DictConfig):
+        return OmegaConf.to_container(obj, resolve=True)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: as_plain_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_plain_dict(v) for v in obj]
+    return obj

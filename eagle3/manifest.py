@@ -1,0 +1,101 @@
+"""Stage manifests: every stage directory holds a `manifest.json` naming its config, the
+fingerprints of its inputs, library versions and counts. Writes are atomic (temp + rename),
+so a reader never sees a half-written file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+
+class ManifestError(RuntimeError):
+    """A stage directory whose manifest is missing, unreadable, or of the wrong kind."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries that shape the artifacts (absent ones are skipped)."""
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "accelerate", "datasets", "safetensors", "tokenizers"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception:
+            pass
+    from eagle3 import __version__
+
+    out["eagle3"] = __version__
+    return out
+
+
+def fingerprint(stage_dir: Path) -> str:
+    """Content fingerprint of a finished stage directory: the sha256 of its manifest."""
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{stage_dir}: no {MANIFEST} (has the previous stage finished?)")
+    return sha256_file(path)
+
+
+def write_manifest(stage_dir: Path, stage: str, config: Any, inputs: dict[str, Path] | None = None,
+                   **fields: Any) -> dict:
+    """Write `<stage_dir>/manifest.json`. `inputs` maps a role to an input stage directory,
+    recorded with its fingerprint so a later run can tell whether its inputs changed."""
+    from eagle3.conf import as_plain_dict
+
+    manifest = {
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": as_plain_dict(config),
+        "inputs": {role: {"path": str(p), "fingerprint": fingerprint(p)} for role, p in (inputs or {}).items()},
+        "versions": versions(),
+        **as_plain_dict(fields),
+    }
+    atomic_write_json(Path(stage_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(stage_dir: Path, stage: str | None = None) -> dict:
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{stage_dir}: no {MANIFEST}; run the {stage or 'previous'} stage first")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e}); the stage directory is corrupt, rerun that stage") from e
+    if stage is not None and manifest.get("stage") != stage:
+        raise ManifestError(f"{path}: is a {manifest.get('stage')!r} manifest, expected {stage!r}")
+    return manifest

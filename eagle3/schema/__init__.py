@@ -1,0 +1,1 @@
+"""Typed dataclass schemas for every stage's config (one module per stage)."""

@@ -1,0 +1,52 @@
+"""Schemas of the shared config groups: paths, target, init."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from eagle3.conf import ConfigError
+
+TARGET_LAYOUTS = ("kimi_k25", "causal_lm")
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class PathsConf:
+    root: str
+    mini_world: str
+    models: str
+    stages: str
+
+
+@dataclass
+class TargetConf:
+    name: str
+    path: str
+    tokenizer: str
+    layout: str = "causal_lm"
+    dtype: str = "float32"
+    device_map: Optional[str] = None
+    trust_remote_code: bool = False
+    k2_drafter: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.layout not in TARGET_LAYOUTS:
+            raise ConfigError(f"target.layout={self.layout!r}: expected one of {TARGET_LAYOUTS}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ConfigError(f"target.dtype={self.dtype!r}: expected one of {TORCH_DTYPES}")
+
+
+INIT_NEW_ROW_RULES = ("target_lm_head", "mean", "zeros")
+
+
+@dataclass
+class InitConf:
+    name: str
+    drafter_path: Optional[str] = None
+    new_row_init: str = "target_lm_head"
+
+    def validate(self) -> None:
+        if self.new_row_init not in INIT_NEW_ROW_RULES:
+            raise ConfigError(f"init.new_row_init={self.new_row_init!r}: expected one of {INIT_NEW_ROW_RULES}")
+        if self.name != "scratch" and not self.drafter_path:
+            raise ConfigError(f"init={self.name} needs init.drafter_path (the drafter directory to start from)")

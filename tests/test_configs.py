@@ -1,0 +1,71 @@
+"""Every primary config composes with every target and init choice, and validates against
+its typed schema."""
+import importlib
+from pathlib import Path
+
+import pytest
+
+from eagle3.conf import CONF_DIR, ConfigError, compose, to_schema
+from eagle3.schema.common import InitConf, PathsConf, TargetConf
+
+STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
+INITS = sorted(p.stem for p in (CONF_DIR / "init").glob("*.yaml"))
+
+
+def test_config_tree_has_required_choices():
+    assert {"k2_mini", "k25_mini", "kimi_k25"} <= set(TARGETS)
+    assert {"aqmedai_k2", "scratch"} <= set(INITS)
+    assert {"mini_world", "prepare", "capture", "vocab", "train", "eval", "export"} <= set(STAGES)
+
+
+def stage_schema(stage):
+    """Each stage's schema lives in eagle3/schema/<stage>.py as `<Stage>Config`."""
+    mod = importlib.import_module(f"eagle3.schema.{stage}")
+    name = "".join(part.capitalize() for part in stage.split("_")) + "Config"
+    return getattr(mod, name)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("init", INITS)
+def test_every_stage_target_init_composes(stage, target, init, tmp_path):
+    if stage == "mini_world":
+        pytest.skip("the mini world has no target or init; composed in test_mini_world_config_composes")
+    cfg = compose(stage, [f"+init={init}", f"paths.root={tmp_path}", f"target={target}"])
+    paths = to_schema(cfg.paths, PathsConf)
+    assert Path(paths.root) == tmp_path
+    for value in (paths.mini_world, paths.stages):
+        assert Path(value).is_relative_to(tmp_path)
+    assert to_schema(cfg.target, TargetConf).name == target
+    assert to_schema(cfg.init, InitConf).name == init
+    typed = to_schema(cfg, stage_schema(stage))
+    assert typed is not None
+
+
+def test_mini_world_config_composes(tmp_path):
+    cfg = compose("mini_world", [f"paths.root={tmp_path}"])
+    typed = to_schema(cfg, stage_schema("mini_world"))
+    assert Path(typed.out_dir) == tmp_path / "mini_world"
+
+
+def test_default_root_is_the_checkout_not_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EAGLE3_ROOT", raising=False)
+    cfg = compose("prepare")
+    from eagle3 import REPO_ROOT
+
+    assert Path(cfg.paths.root) == REPO_ROOT / "runs"
+    assert cfg.target.name == "k25_mini"  # the embedded default
+
+
+def test_bad_target_layout_is_rejected(tmp_path):
+    cfg = compose("prepare", [f"paths.root={tmp_path}", "target.layout=onnx"])
+    with pytest.raises(ConfigError, match="target.layout"):
+        to_schema(cfg.target, TargetConf)
+
+
+def test_unknown_key_is_rejected(tmp_path):
+    cfg = compose("prepare", [f"paths.root={tmp_path}", "+target.pathh=/x"])
+    with pytest.raises(ConfigError, match="pathh"):
+        to_schema(cfg.target, TargetConf)
