@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 INIT ?= aqmedai_k2
 
-.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo bench-vocab clean
+.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo bench-vocab clean check
 
 setup: .venv/.installed
 .venv/.installed: pyproject.toml ; python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]' && touch $@
@@ -16,5 +16,6 @@ vocab: setup ; $(PY) data/run_vocab.py $(ARGS)
 train: setup ; $(PY) train/run.py +init=$(INIT) $(ARGS)
 eval: setup ; $(PY) eval/run.py $(ARGS)
 export: setup ; $(PY) eval/run_export.py $(ARGS)
+check: setup ; $(PY) train/run_check.py $(ARGS)
 demo: setup ; $(PY) eval/run_demo.py $(ARGS)
 clean: ; rm -rf runs
