@@ -1,16 +1,54 @@
+"""Schema of the capture stage config (`conf/capture.yaml`): run the target over the prepared
+dataset and store, per token, the aux hidden states of the configured layers, the final post-norm
+state and the target's argmax (the hidden-state store of eagle3/store.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
+from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
+
+STORE_DTYPES = ("bfloat16", "float16", "float32")
+OVERLONG_POLICIES = ("truncate", "skip")
 
 
 @dataclass
 class CaptureConfig:
     paths: PathsConf
     target: TargetConf
-    in_dir: str
+    in_dir: str  # the prepare stage directory (train/, validation/)
     out_dir: str
+    # Decoder-layer ids (SGLang's eagle_aux_hidden_state_layer_ids; id i = HF hidden_states[i+1]).
+    # null: the init drafter's eagle_config if +init=... has one, else SGLang's default [2, L//2, L-3] (HF).
+    aux_layer_ids: Optional[List[int]] = None
+    splits: List[str] = field(default_factory=lambda: ["train", "validation"])
+    dtype: str = "bfloat16"  # stored aux / last states (the target itself runs in target.dtype)
+    max_tokens_per_batch: int = 8192  # padded tokens per forward pass (sequences sorted by length)
+    shard_tokens: int = 65536  # tokens per store shard
+    limit: Optional[int] = None  # at most this many sequences per split (null = all)
+    max_seq_len: Optional[int] = None  # null: the target's max_position_embeddings
+    on_overlong: str = "truncate"  # truncate | skip (counted either way)
+    argmax_chunk_tokens: int = 4096  # tokens per lm_head call for the argmax (full logits never kept)
+    overwrite: bool = False  # a store written with other settings: false = refuse, true = delete and redo
+    progress: bool = True
     seed: int = 0
-    init: Optional[InitConf] = None
+    init: Optional[InitConf] = None  # +init=aqmedai_k2: take the aux layer ids from that drafter
+
+    def validate(self) -> None:
+        if self.dtype not in STORE_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {STORE_DTYPES}")
+        if self.on_overlong not in OVERLONG_POLICIES:
+            raise ConfigError(f"on_overlong={self.on_overlong!r}: expected one of {OVERLONG_POLICIES}")
+        for name in ("max_tokens_per_batch", "shard_tokens", "argmax_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.limit is not None and self.limit < 0:
+            raise ConfigError(f"limit={self.limit}: must be >= 0 or null")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 1 or null")
+        bad = [s for s in self.splits if s not in ("train", "validation")]
+        if bad or not self.splits:
+            raise ConfigError(f"splits={self.splits}: expected a non-empty subset of ['train', 'validation']")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) == 0:
+            raise ConfigError("aux_layer_ids=[]: give layer ids or null")

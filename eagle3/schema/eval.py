@@ -1,15 +1,126 @@
+"""Schema of the eval stage config (`conf/eval.yaml`): teacher-forced accuracy, simulated accept
+length (drafter and n-gram), the real speculative-decoding check, and the cost model's verdict."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
+from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
+
+EVAL_DEVICES = ("cpu", "cuda", "auto")
+DRAFTER_DTYPES = ("float32", "bfloat16", "float16")
+WANDB_MODES = ("disabled", "offline", "online")
+NGRAM_PREFER = ("recent", "first")
+
+
+@dataclass
+class KnobConf:
+    """SGLang's --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens."""
+    num_steps: int = 2
+    topk: int = 1
+    num_draft_tokens: int = 3
+
+    def validate(self) -> None:
+        from eagle3.accept_sim import SpecKnobs
+
+        try:
+            SpecKnobs(self.num_steps, self.topk, self.num_draft_tokens)
+        except ValueError as e:
+            raise ConfigError(f"knobs: {e}") from e
+
+
+@dataclass
+class NgramConf:
+    max_ngram: int = 3
+    min_ngram: int = 1
+    prefer: str = "recent"  # recent | first (Hugging Face prompt lookup)
+
+    def validate(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(f"ngram: need 1 <= min_ngram ({self.min_ngram}) <= max_ngram ({self.max_ngram})")
+        if self.prefer not in NGRAM_PREFER:
+            raise ConfigError(f"ngram.prefer={self.prefer!r}: expected one of {NGRAM_PREFER}")
+
+
+@dataclass
+class RealLoopConf:
+    enabled: bool = True
+    num_prompts: int = 4        # prompts = the validation sequences' text before their first assistant token
+    max_new_tokens: int = 48
+    stop_at_eos: bool = True
+
+    def validate(self) -> None:
+        if self.num_prompts < 0 or self.max_new_tokens < 2:
+            raise ConfigError(f"real_loop: num_prompts >= 0 and max_new_tokens >= 2 needed "
+                              f"(got {self.num_prompts}, {self.max_new_tokens})")
+
+
+@dataclass
+class CostConf:
+    """Latencies for the verdict. `preset` names eagle3.cost_model.PRESETS; a non-null field overrides it."""
+    preset: Optional[str] = "account_8gpu_pcie"
+    baseline_tok_s: Optional[float] = None
+    verify_ms: Optional[float] = None
+    verify_ms_per_token: Optional[float] = None
+    draft_step_ms: Optional[float] = None
+    draft_extend_ms: Optional[float] = None
+
+    def validate(self) -> None:
+        from eagle3.cost_model import PRESETS
+
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(f"cost.preset={self.preset!r}: expected one of {sorted(PRESETS)} or null")
+        if self.preset is None and (self.baseline_tok_s is None or self.verify_ms is None):
+            raise ConfigError("cost: without a preset give at least cost.baseline_tok_s and cost.verify_ms")
+
+
+@dataclass
+class WandbConf:
+    mode: str = "offline"
+    project: str = "eagle3-finetune"
+
+    def validate(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
 
 
 @dataclass
 class EvalConfig:
     paths: PathsConf
     target: TargetConf
-    capture_dir: str
+    name: str                   # eval-<name>; default: the init's name
+    drafter_dir: str            # default: train-<name>/final
+    train_dir: Optional[str]    # for the accept-length-over-training plot (its metrics.jsonl), if present
+    capture_dir: str            # the capture stage directory; the store read is <capture_dir>/<split>
+    out_dir: str
+    split: str = "validation"
+    device: str = "auto"
+    dtype: str = "float32"      # the drafter's dtype during eval
+    max_sequences: Optional[int] = None
+    ttt_length: int = 7
+    knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 1, 4)])
+    ngram: NgramConf = field(default_factory=NgramConf)
+    real_loop: RealLoopConf = field(default_factory=RealLoopConf)
+    cost: CostConf = field(default_factory=CostConf)
+    wandb: WandbConf = field(default_factory=WandbConf)
+    progress: bool = True
+    force: bool = False         # redo even when a finished eval with the same config and inputs exists
     seed: int = 0
     init: Optional[InitConf] = None
+
+    def validate(self) -> None:
+        if self.device not in EVAL_DEVICES:
+            raise ConfigError(f"device={self.device!r}: expected one of {EVAL_DEVICES}")
+        if self.dtype not in DRAFTER_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {DRAFTER_DTYPES}")
+        if not self.knobs:
+            raise ConfigError("knobs: give at least one {num_steps, topk, num_draft_tokens} setting")
+        for knob in self.knobs:  # to_schema's tree walk does not descend into lists
+            knob.validate()
+        if self.ttt_length < 1:
+            raise ConfigError(f"ttt_length={self.ttt_length}: must be >= 1")
+        if self.max_sequences is not None and self.max_sequences < 1:
+            raise ConfigError(f"max_sequences={self.max_sequences}: must be >= 1 or null")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name={self.name!r}: a non-empty directory name (eval-<name>) is needed")

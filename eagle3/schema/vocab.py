@@ -1,8 +1,11 @@
+"""Schema of the vocab stage config (`conf/vocab.yaml`): the top-N draft vocabulary from the
+token frequencies of the prepared train split's loss-masked tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -10,7 +13,20 @@ from eagle3.schema.common import InitConf, PathsConf, TargetConf
 class VocabConfig:
     paths: PathsConf
     target: TargetConf
+    in_dir: str  # the prepare stage directory
+    out_dir: str
+    draft_vocab_size: int = 2048  # N; 32000 for Kimi-K2.5 (the AQ-MedAI / published drafters' size)
+    split: str = "train"  # which prepared split is counted
+    target_vocab_size: Optional[int] = None  # V; default: the target's config.json (text_config) vocab_size
+    report_top_missing: int = 50  # how many of the most frequent tokens absent from the init vocab to list
+    chunk_tokens: int = 1 << 24  # tokens counted per bincount call (bounds memory)
     seed: int = 0
-    init: Optional[InitConf] = None
-    in_dir: str = ""
-    out_dir: str = ""
+    init: Optional[InitConf] = None  # +init=aqmedai_k2: compare with that drafter's mapping
+
+    def validate(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size}: must be >= 1")
+        if self.split not in ("train", "validation"):
+            raise ConfigError(f"split={self.split!r}: expected 'train' or 'validation'")
+        if self.chunk_tokens < 1 or self.report_top_missing < 0:
+            raise ConfigError("chunk_tokens must be >= 1 and report_top_missing >= 0")

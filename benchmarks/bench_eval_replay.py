@@ -1,0 +1,75 @@
+"""Throughput of the eval stage's accept-length replay (eval/evaluate.py:simulate_accept_length).
+
+A random drafter of the given shape over a random greedy-consistent store (sequences whose next
+token is the stored argmax, so every assistant position is replayed). Prints replayed tokens/s per
+knob setting and the time of the teacher-forced accuracy pass.
+
+    python benchmarks/bench_eval_replay.py                          # mini-world shape, CPU
+    python benchmarks/bench_eval_replay.py --preset k2 --device cuda --tokens 1000000
+"""
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle3.accept_sim import SpecKnobs  # noqa: E402
+from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
+from eval.evaluate import simulate_accept_length, teacher_forced_accuracy  # noqa: E402
+
+PRESETS = {  # hidden, intermediate, heads, kv heads, head_dim, vocab, draft vocab
+    "mini": (128, 384, 4, 4, 32, 8192, 4096),
+    "k2": (7168, 18432, 64, 64, 128, 163840, 32000),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="mini", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", type=int, default=20000)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--knobs", default="2/1/3,3/1/4,3/2/6")
+    ap.add_argument("--accuracy", action="store_true", help="also time the teacher-forced accuracy pass (TTT 7)")
+    args = ap.parse_args()
+    H, I, h, hkv, d, V, DV = PRESETS[args.preset]
+    dt = getattr(torch, args.dtype)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=h, num_key_value_heads=hkv,
+                        head_dim=d, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, aux_layer_ids=[0, 1, 2])
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = Eagle3Drafter(cfg).to(dt).eval()
+    n_seq = max(1, args.tokens // args.seq_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, aux_layer_ids=[0, 1, 2],
+                              hf_indices=[1, 2, 3], dtype="bfloat16", shard_tokens=1 << 16)
+        for i in range(n_seq):
+            T = args.seq_len
+            ids = torch.randint(0, V, (T,))
+            mask = torch.ones(T, dtype=torch.bool)
+            mask[: T // 8] = False
+            w.add(f"s{i}", ids, mask, torch.randn(T, 3 * H), torch.zeros(T, H), torch.cat([ids[1:], ids[:1]]))
+        w.finish()
+        store = HiddenStateStore(Path(tmp) / "val")
+        print(f"{args.preset} drafter on {args.device} ({args.dtype}), {n_seq} sequences x {args.seq_len} tokens")
+        for label in args.knobs.split(","):
+            k = SpecKnobs(*map(int, label.split("/")))
+            t0 = time.perf_counter()
+            res = simulate_accept_length(model, store, [k], progress=False)[k.label]["drafter"]
+            dt_s = time.perf_counter() - t0
+            print(f"  replay {k.label}: {res.tokens} tokens in {res.cycles} cycles, {dt_s:.2f} s "
+                  f"-> {res.tokens / dt_s:,.0f} tokens/s, {1000 * dt_s / max(res.cycles, 1):.2f} ms/cycle")
+        if args.accuracy:
+            t0 = time.perf_counter()
+            teacher_forced_accuracy(model, store, 7, progress=False)
+            print(f"  teacher-forced accuracy (TTT 7): {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Which rule should initialise the lm_head rows of tokens new to the draft vocab? Measured on the
+mini world (or any target whose capture + vocab stages and old drafter exist).
+
+For each rule (target_lm_head, mean, zeros) it builds the init=aqmedai_k2 training drafter
+(eagle3.init_drafter), then reports on the validation capture, before and after the same short
+fine-tune (same seed, same batches, AdamW on all trainable weights):
+  * TTT-step soft CE and accuracy over all loss positions;
+  * step-0 accuracy on the positions whose target token is NEW to the draft vocab (the rows
+    the rule sets; shared tokens are bit-identical under every rule).
+
+    python benchmarks/bench_new_row_init.py                       # runs/ mini world, k25_mini
+    python benchmarks/bench_new_row_init.py --root /big/runs --train-steps 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from eagle3 import target_io  # noqa: E402
+from eagle3.drafter_io import load_drafter_dir  # noqa: E402
+from eagle3.init_drafter import build_training_drafter  # noqa: E402
+from eagle3.loss import loss_positions, shift_left  # noqa: E402
+from eagle3.store import HiddenStateStore  # noqa: E402
+from eagle3.ttt import TTTCache  # noqa: E402
+from eagle3.unroll import ttt_unroll  # noqa: E402
+from eagle3.vocab_map import ids_from_d2t  # noqa: E402
+
+RULES = ("target_lm_head", "mean", "zeros")
+
+
+def batch_of(store, idx, max_len):
+    """Right-padded batch of sequences idx (cut to max_len)."""
+    items = [store[i] for i in idx]
+    T = min(max_len, max(len(x["input_ids"]) for x in items))
+    B = len(items)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+           "target_argmax": torch.zeros(B, T, dtype=torch.long),
+           "aux": torch.zeros(B, T, items[0]["aux"].shape[-1]), "last": torch.zeros(B, T, items[0]["last"].shape[-1])}
+    for b, x in enumerate(items):
+        n = min(T, len(x["input_ids"]))
+        for k in out:
+            out[k][b, :n] = x[k][:n].to(out[k].dtype)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, store, lm_rows, fresh_mask, ttt, max_len, bs):
+    sums = counts = correct = None
+    fresh_ok = fresh_n = 0
+    for s in range(0, len(store), bs):
+        b = batch_of(store, range(s, min(len(store), s + bs)), max_len)
+        out = ttt_unroll(model, b["aux"], b["input_ids"], b["last"], b["target_argmax"], b["loss_mask"], lm_rows, ttt)
+        sums = out.loss_sum if sums is None else sums + out.loss_sum
+        counts = out.count if counts is None else counts + out.count
+        correct = out.correct if correct is None else correct + out.correct
+        # step 0 on positions whose target token is new to the draft vocab
+        T = b["input_ids"].shape[1]
+        pre = model.step(shift_left(b["input_ids"], 1, 0), model.project_aux(b["aux"]),
+                         torch.arange(T).expand_as(b["input_ids"]), TTTCache())
+        pred = model.draft_ids_to_target(model.logits(pre).argmax(-1))
+        tgt = shift_left(b["target_argmax"], 1, 0)
+        m = loss_positions(b["loss_mask"], b["target_argmax"], model.t2d, 0) & fresh_mask[tgt]
+        fresh_ok += int(((pred == tgt) & m).sum())
+        fresh_n += int(m.sum())
+    c = counts.clamp(min=1)
+    return {"loss": [round(float(x), 4) for x in sums / c], "acc": [round(float(x), 4) for x in correct / c],
+            "new_token_acc_step0": round(fresh_ok / max(fresh_n, 1), 4), "new_token_positions": fresh_n}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1] / "runs"))
+    ap.add_argument("--target", default="k25_mini")
+    ap.add_argument("--target-dir", default=None, help="default <root>/mini_world/k25-mini")
+    ap.add_argument("--layout", default="kimi_k25")
+    ap.add_argument("--init-drafter", default=None, help="default <root>/mini_world/aqmedai-k2-mini")
+    ap.add_argument("--train-steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--rules", nargs="+", default=list(RULES))
+    args = ap.parse_args()
+    root = Path(args.root)
+    stages = root / "stages" / args.target
+    target = Path(args.target_dir or root / "mini_world" / "k25-mini")
+    old = Path(args.init_drafter or root / "mini_world" / "aqmedai-k2-mini")
+    train, val = HiddenStateStore(stages / "capture" / "train"), HiddenStateStore(stages / "capture" / "validation")
+    d2t = load_file(str(stages / "vocab" / "vocab.safetensors"))["d2t"]
+    new_ids = ids_from_d2t(d2t)
+    lm_rows = target_io.load_lm_head_rows(target, args.layout, new_ids).float()
+    old_model = load_drafter_dir(old, dtype="float32")
+    fresh_mask = torch.zeros(old_model.config.vocab_size, dtype=torch.bool)  # [V]: new to the draft vocab
+    fresh_mask[new_ids] = True
+    fresh_mask[old_model.draft_ids_to_target(torch.arange(old_model.config.draft_vocab_size))] = False
+    del old_model
+    results = {}
+    for rule in args.rules:
+        torch.manual_seed(0)
+        model, report = build_training_drafter("aqmedai_k2", old, target, args.layout, new_ids, train.aux_layer_ids,
+                                               rule)
+        before = evaluate(model, val, lm_rows, fresh_mask, args.ttt, args.max_len, args.batch)
+        opt = torch.optim.AdamW(model.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95))
+        rng = random.Random(0)
+        t0 = time.perf_counter()
+        for step in range(args.train_steps):
+            b = batch_of(train, rng.sample(range(len(train)), min(args.batch, len(train))), args.max_len)
+            out = ttt_unroll(model, b["aux"], b["input_ids"], b["last"], b["target_argmax"], b["loss_mask"], lm_rows,
+                             args.ttt)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
+            opt.step()
+        after = evaluate(model, val, lm_rows, fresh_mask, args.ttt, args.max_len, args.batch)
+        results[rule] = {"remap": report["lm_head_remap"], "before": before, "after": after,
+                         "train_s": round(time.perf_counter() - t0, 1)}
+        print(json.dumps({rule: results[rule]}), flush=True)
+    print(json.dumps({"summary": {r: {"acc0_before": v["before"]["acc"][0], "acc0_after": v["after"]["acc"][0],
+                                      "new_tok_acc_before": v["before"]["new_token_acc_step0"],
+                                      "new_tok_acc_after": v["after"]["new_token_acc_step0"],
+                                      "loss0_after": v["after"]["loss"][0]} for r, v in results.items()},
+                      "train_steps": args.train_steps, "val_sequences": len(val)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

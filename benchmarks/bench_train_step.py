@@ -1,0 +1,184 @@
+"""Time one TTT training step of the drafter, the way train/loop.py runs it (without accelerate):
+the real objective (eagle3.unroll.TTTObjective: TTT unroll, fp32 teacher from the draft-vocab rows
+of the target head, soft CE, 0.8^k weights), fp32 master weights under bf16 autocast on CUDA,
+frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5.
+
+Defaults are the Kimi-K2 / K2.5 drafter (issue 9): hidden 7168, 64 x 128 heads (64 KV heads),
+MLP 18432, draft vocab 32000, target vocab 163840, TTT 7, batch 1, random weights and inputs
+already on the device. Phases are timed with device synchronisation in between: forward+loss,
+backward (+ clip), optimizer. Reports tokens/s, model TFLOP/s by issue 9's formula
+(6 x 1.0368e9 x T x 7 for the trainable matmuls + 344,064 x T^2 for attention, scaled to the
+chosen dims) and peak allocated / reserved memory.
+
+    python benchmarks/bench_train_step.py                          # H200: K2 dims, T = 2048..16384
+    python benchmarks/bench_train_step.py --tiny --seq-lens 64,128 # CPU smoke run
+
+Imports only torch and eagle3 core modules (runs on the GPU image without hydra/wandb/accelerate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.unroll import TTTObjective  # noqa: E402
+
+K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=256, vocab=1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small dims for a CPU smoke run")
+    for k in K2:
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--seq-lens", default="2048,4096,8192,16384", help="comma-separated T values")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-autocast", action="store_true", help="fp32 compute on CUDA too")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="for the MFU column (H200 bf16 dense)")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    dims = dict(TINY if args.tiny else K2)
+    for k in dims:
+        if getattr(args, k) is not None:
+            dims[k] = getattr(args, k)
+    args.dims = dims
+    args.seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
+    return args
+
+
+def build(dims: dict, ttt: int, device: torch.device, bf16: bool):
+    cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+                        num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+                        head_dim=dims["head_dim"], vocab_size=dims["vocab"], draft_vocab_size=dims["draft_vocab"],
+                        target_hidden_size=dims["hidden"], aux_layer_ids=[2, 30, 58], rope_theta=1e6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        drafter = Eagle3Drafter(cfg)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.sort(torch.randperm(dims["vocab"], generator=g)[: dims["draft_vocab"]]).values
+    t2d = torch.zeros(dims["vocab"], dtype=torch.bool)
+    t2d[ids] = True
+    drafter.set_vocab_mapping((ids - torch.arange(ids.numel())).to(device), t2d.to(device))
+    if bf16:
+        drafter.embed_tokens.to(torch.bfloat16)  # frozen, as train/loop.py keeps it under bf16
+    store_dtype = torch.bfloat16
+    rows = (torch.randn(dims["draft_vocab"], dims["hidden"], device=device) * 0.02).to(store_dtype)
+    return TTTObjective(drafter, ttt_length=ttt), rows, ids.to(device)
+
+
+def make_batch(dims: dict, B: int, T: int, draft_ids: torch.Tensor, device, dtype=torch.bfloat16) -> dict:
+    H = dims["hidden"]
+    g = torch.Generator(device="cpu").manual_seed(T)
+    pick = draft_ids.cpu()[torch.randint(0, draft_ids.numel(), (B, T), generator=g)]
+    return {
+        "input_ids": torch.randint(0, dims["vocab"], (B, T), generator=g).to(device),
+        "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
+        "target_argmax": pick.to(device),  # in the draft vocab: every position counts (worst case)
+        "aux": torch.randn(B, T, 3 * H, generator=g).to(device, dtype),
+        "last": torch.randn(B, T, H, generator=g).to(device, dtype),
+    }
+
+
+def step_flops(dims: dict, T: int, ttt: int, B: int) -> float:
+    """Issue 9's count, generalised: 6 x (matrix params touched per TTT step) x tokens x steps
+    + attention; fc runs once per sequence (step 0)."""
+    H, h, hkv, d, I, DV = (dims[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "draft_vocab"))
+    per_step = 2 * H * h * d + 2 * 2 * H * hkv * d + h * d * H + 3 * H * I + H * DV
+    attn = 344064 * (h * d) / 8192 * T ** 2  # 344,064 x T^2 at 64 x 128 heads, scaled by h*d
+    return B * (6 * per_step * T * ttt + 6 * 3 * H * H * T + attn)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool, iters: int, warmup: int) -> dict:
+    phases = {"forward_loss": [], "backward": [], "optimizer": [], "step": []}
+    amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    for i in range(warmup + iters):
+        sync(device)
+        t0 = time.perf_counter()
+        with amp:
+            out = objective(batch, rows)
+        loss = out.loss
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        sync(device)
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        t3 = time.perf_counter()
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {float(loss)} in the benchmark step")
+        if i >= warmup:
+            for k, v in (("forward_loss", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2), ("step", t3 - t0)):
+                phases[k].append(v)
+    return {k: statistics.median(v) for k, v in phases.items()} | {"loss": float(loss.detach())}
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    autocast = device.type == "cuda" and not args.no_autocast
+    objective, rows, draft_ids = build(args.dims, args.ttt, device, bf16=autocast)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
+    n_train = sum(p.numel() for p in params)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"autocast bf16: {autocast}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
+          f"trainable params {n_train / 1e6:.1f}M")
+    results = []
+    header = f"{'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9}"
+    print(header)
+    for T in args.seq_lens:
+        batch = make_batch(args.dims, args.batch, T, draft_ids, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            r = bench_one(objective, rows, batch, optimizer, params, device, autocast, args.iters, args.warmup)
+        except torch.cuda.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            print(f"{T:>6} OOM")
+            results.append({"T": T, "oom": True})
+            continue
+        tokens = args.batch * T
+        tflops = step_flops(args.dims, T, args.ttt, args.batch) / r["step"] / 1e12
+        row = {"T": T, **{f"{k}_s": round(v, 5) for k, v in r.items() if k != "loss"}, "loss": r["loss"],
+               "tokens_per_s": round(tokens / r["step"], 1), "model_tflops": round(tflops, 2),
+               "mfu": round(tflops / args.peak_tflops, 4) if device.type == "cuda" else None}
+        if device.type == "cuda":
+            row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        results.append(row)
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        print(f"{T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
+              f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} {row.get('peak_alloc_gib', '-'):>10} "
+              f"{row.get('peak_reserved_gib', '-'):>9}")
+        del batch
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
+                                               "device": str(device), "results": results}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""Capture: run the target over the prepared dataset and write, per split, a hidden-state store
+(eagle3/store.py) holding per token the aux states of the configured layers [3H], the final
+post-norm state [H], the target's argmax, the input id and the loss mask.
+
+Order of work, so that bad input fails before the (possibly 10-minute) model load:
+  1. prepare manifest, target config, layer ids (out of range -> error), tokenizer fingerprint
+     against the one the dataset was prepared with, dataset columns / token id range;
+  2. reuse: a stage manifest matching config + inputs returns at once;
+  3. load the target, capture each split, merge the parts of a multi-process run, write manifest.
+
+Batching is global and deterministic: the sequences of a split are sorted by length (longest
+first, ties by dataset index) and cut into batches of at most `max_tokens_per_batch` padded
+tokens; process r of N takes batches r, r+N, ... . A batch is computed the same way whatever N
+is, and a resumed run recomputes exactly the batches it had not committed, so resumed and
+multi-process stores read identically to an uninterrupted one-process store.
+
+Fault injection (tests only): EAGLE3_CAPTURE_BATCH_DELAY_S=<seconds> sleeps after each batch, so a
+test can kill a real capture process in the middle of its work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eagle3 import target_io
+from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
+
+PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
+
+
+class CaptureError(RuntimeError):
+    """A capture that cannot start or continue, with the reason."""
+
+
+@dataclass
+class Dist:
+    """Which slice of the work this process does. `barrier` waits for every process."""
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = lambda: None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Seq:
+    index: int  # row in the prepared split
+    id: str
+    length: int  # after truncation
+    order: int = -1  # position in the length-sorted list: the store's global order
+
+
+def target_fingerprint(path: str | Path, full_hash_limit: int = 1 << 30) -> str:
+    """sha256 over config.json, the index, and every weight file's safetensors header (names,
+    shapes, dtypes); weight *contents* too when all weights are under `full_hash_limit` bytes
+    (the mini targets; hashing 600 GB of Kimi-K2.5 is not worth it, its header set is unique)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (path / name).is_file():
+            h.update(name.encode() + b"\0" + (path / name).read_bytes())
+    files = sorted(path.glob("*.safetensors"))
+    full = sum(f.stat().st_size for f in files) <= full_hash_limit
+    for f in files:
+        with open(f, "rb") as fh:
+            if full:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+            else:
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(f.name.encode() + fh.read(n))
+    return h.hexdigest()
+
+
+def plan_split(ds, limit: int | None, max_len: int, on_overlong: str) -> tuple[list[Seq], dict]:
+    """Sequences to capture, length-sorted (longest first), and the overlong counts."""
+    import pyarrow.compute as pc
+
+    n = len(ds) if limit is None else min(limit, len(ds))
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    lengths = pc.list_value_length(table.column("input_ids")).to_pylist()[:n]
+    ids = table.column("id").to_pylist()[:n]
+    seqs, skipped_overlong, truncated = [], [], 0
+    for i, (sid, T) in enumerate(zip(ids, lengths)):
+        if T > max_len:
+            if on_overlong == "skip":
+                skipped_overlong.append(str(sid))
+                continue
+            truncated += 1
+            T = max_len
+        seqs.append(Seq(i, str(sid), int(T)))
+    seqs.sort(key=lambda s: (-s.length, s.index))
+    for k, s in enumerate(seqs):
+        s.order = k
+    return seqs, {"truncated": truncated, "skipped_overlong": skipped_overlong}
+
+
+def make_batches(seqs: list[Seq], max_tokens: int) -> list[list[Seq]]:
+    """Consecutive runs of the (longest-first) list with len(batch) * longest <= max_tokens;
+    a sequence longer than the budget gets a batch of its own."""
+    batches, cur = [], []
+    for s in seqs:
+        if cur and (len(cur) + 1) * cur[0].length > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def check_dataset(ds, split: str, vocab_size: int) -> None:
+    """Columns, dtypes-as-stored, token id range and matching mask lengths (cheap Arrow ops)."""
+    import pyarrow.compute as pc
+
+    need = {"id", "input_ids", "loss_mask"}
+    if missing := need - set(ds.column_names):
+        raise CaptureError(f"prepared split {split!r} lacks columns {sorted(missing)} (has {ds.column_names}); "
+                           f"rerun the prepare stage")
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+    if len(ds) == 0:
+        return
+    if pc.any(pc.not_equal(pc.list_value_length(ids_col), pc.list_value_length(mask_col))).as_py():
+        raise CaptureError(f"prepared split {split!r}: input_ids and loss_mask lengths differ; rerun prepare")
+    flat = pc.list_flatten(ids_col)
+    lo, hi = pc.min(flat).as_py(), pc.max(flat).as_py()
+    if lo is not None and (lo < 0 or hi >= vocab_size):
+        raise CaptureError(f"prepared split {split!r}: token ids span [{lo}, {hi}] but the target's vocab_size is "
+                           f"{vocab_size}: the dataset was prepared with another tokenizer")
+
+
+def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: list[int], store_dtype: torch.dtype,
+                  argmax_chunk_tokens: int):
+    """Forward one right-padded batch with hooks. Returns per sequence (aux [T,3H], last [T,H],
+    argmax [T], finite: bool) on the CPU, aux/last already in the store dtype. The finiteness
+    check runs on the device (a CPU scan of 57 KB/token would cost more than the copy)."""
+    B, Tmax = len(batch_ids), max(len(x) for x in batch_ids)
+    device = target_io.input_device(model)
+    input_ids = torch.full((B, Tmax), PAD_ID, dtype=torch.long)
+    attn = torch.zeros((B, Tmax), dtype=torch.long)
+    for b, x in enumerate(batch_ids):
+        input_ids[b, : len(x)] = x
+        attn[b, : len(x)] = 1
+    with torch.no_grad(), target_io.AuxHiddenCapture(model, aux_ids) as cap:
+        text_model(input_ids=input_ids.to(device), attention_mask=attn.to(device), use_cache=False)
+        last = cap.last.to(store_dtype)  # [B, Tmax, H], what lm_head consumes
+        argmax = target_io.argmax_from_last(model, cap.last, argmax_chunk_tokens)  # [B, Tmax]
+        aux = cap.aux_concat().to(store_dtype)  # [B, Tmax, 3H]
+        pad = attn.to(aux.device) == 0
+        finite = ((torch.isfinite(aux).all(-1) & torch.isfinite(last.to(aux.device)).all(-1)) | pad).all(-1)
+        aux, last, argmax, finite = aux.cpu(), last.cpu(), argmax.cpu(), finite.cpu().tolist()
+    return [(aux[b, : len(x)], last[b, : len(x)], argmax[b, : len(x)], finite[b]) for b, x in enumerate(batch_ids)]
+
+
+def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, aux_ids: list[int], dist: Dist,
+                  desc: str) -> dict:
+    """Capture this process's batches of one split into `writer` (resuming: committed sequences
+    are skipped, a batch partly committed is recomputed whole so its values are unchanged)."""
+    from tqdm import tqdm
+
+    store_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
+    batches = make_batches(seqs, cfg.max_tokens_per_batch)[dist.rank::dist.world]
+    todo = [b for b in batches if any(s.id not in writer.done_ids for s in b)]
+    tm = target_io.text_model(model)
+    non_finite: list[str] = []
+    total = sum(s.length for b in todo for s in b)
+    start = time.time()
+    delay = float(os.environ.get("EAGLE3_CAPTURE_BATCH_DELAY_S", "0") or 0)
+    with tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not (cfg.progress and dist.is_main),
+              mininterval=1.0, smoothing=0.1) as bar:
+        for batch in todo:
+            rows = [ds[s.index] for s in batch]
+            ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
+            masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
+            outs = capture_batch(model, tm, ids, aux_ids, store_dtype, cfg.argmax_chunk_tokens)
+            for s, x, m, (aux, last, am, finite) in zip(batch, ids, masks, outs):
+                if s.id in writer.done_ids:
+                    continue
+                if not finite:
+                    writer.skip(s.id, "non_finite")
+                    non_finite.append(s.id)
+                    print(f"[capture] skipped: {NonFiniteHiddenStateError(s.id, 'aux/last')}")
+                    continue
+                writer.add(s.id, x, m, aux, last, am, order=s.order, check_finite=False)
+            bar.update(sum(s.length for s in batch))
+            if delay:
+                time.sleep(delay)
+    return {"batches": len(batches), "batches_run": len(todo), "tokens_run": total,
+            "seconds": round(time.time() - start, 3), "non_finite_this_run": non_finite}
+
+
+def store_meta(cfg, fingerprints: dict, max_len: int, dist: Dist, split: str) -> dict:
+    """What a store depends on: a resumed writer refuses to mix stores whose meta differs."""
+    return {"split": split, **fingerprints, "target_dtype": cfg.target.dtype, "max_seq_len": max_len,
+            "on_overlong": cfg.on_overlong, "limit": cfg.limit, "max_tokens_per_batch": cfg.max_tokens_per_batch,
+            "world_size": dist.world}
+
+
+def open_writer(store_dir: Path, cfg, header: dict, meta: dict) -> HiddenStateWriter:
+    try:
+        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, shard_tokens=cfg.shard_tokens, meta=meta,
+                                 background=True)
+    except StoreMismatchError as e:
+        if not cfg.overwrite:
+            raise CaptureError(f"{e}\n(set overwrite=true to delete it and capture again)") from e
+        print(f"[capture] {store_dir}: written with other settings; overwrite=true, deleting it")
+        shutil.rmtree(store_dir)
+        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, shard_tokens=cfg.shard_tokens, meta=meta,
+                                 background=True)
+
+
+def summarize(manifest: dict, plan_counts: dict) -> dict:
+    skipped = manifest["skipped"]
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
+    return {"sequences": manifest["num_sequences"], "tokens": manifest["num_tokens"],
+            "loss_tokens": manifest["num_loss_tokens"], "shards": len(manifest["shards"]),
+            "truncated": plan_counts["truncated"], "skipped": reasons,
+            "skipped_ids": {r: [s["id"] for s in skipped if s["reason"] == r][:20] for r in reasons}}
+
+
+def default_dist() -> Dist:
+    """The accelerate process group when launched with `accelerate launch`, else one process."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    return Dist(state.process_index, state.num_processes, state.wait_for_everyone)
+
+
+def check_tokenizer(cfg, prep_manifest: dict) -> str:
+    """The target tokenizer's fingerprint, which must be the one the dataset was prepared with."""
+    from data.prepare import load_tokenizer, tokenizer_fingerprint
+
+    fp = tokenizer_fingerprint(load_tokenizer(cfg.target))
+    prepared = (prep_manifest.get("fingerprints") or {}).get("tokenizer")
+    if prepared is None:
+        raise CaptureError(f"{cfg.in_dir}/manifest.json records no tokenizer fingerprint; rerun the prepare stage")
+    if prepared != fp:
+        raise CaptureError(f"{cfg.in_dir} was prepared with another tokenizer than target.tokenizer="
+                           f"{cfg.target.tokenizer} (fingerprint {prepared[:12]} != {fp[:12]}); "
+                           f"rerun prepare for this target")
+    return fp
+
+
+def run_capture(cfg, dist: Dist | None = None) -> Path:
+    """The capture stage (`cfg`: eagle3.schema.capture.CaptureConfig). Returns the stage dir."""
+    import datasets
+
+    from eagle3.conf import as_plain_dict
+    from eagle3.manifest import ManifestError, fingerprint, read_manifest, write_manifest
+
+    out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
+    try:
+        prep_manifest = read_manifest(in_dir, "prepare")
+    except ManifestError as e:
+        raise CaptureError(str(e)) from e
+    try:
+        text_cfg = target_io.read_text_config(cfg.target.path, cfg.target.layout)
+        L, H, V = text_cfg["num_hidden_layers"], text_cfg["hidden_size"], text_cfg["vocab_size"]
+        init_dir = cfg.init.drafter_path if cfg.init is not None else None
+        aux_ids, hf_indices, source = target_io.resolve_aux_layer_ids(init_dir, cfg.aux_layer_ids, L)
+    except target_io.TargetError as e:
+        raise CaptureError(str(e)) from e
+    max_len = cfg.max_seq_len or int(text_cfg["max_position_embeddings"])
+    fingerprints = {"target": target_fingerprint(cfg.target.path), "tokenizer": check_tokenizer(cfg, prep_manifest),
+                    "prepare": fingerprint(in_dir)}
+    dist = dist or default_dist()
+    config_dict = as_plain_dict(cfg)
+    try:
+        old = read_manifest(out, "capture")
+        if (old.get("config") == config_dict and old.get("fingerprints") == fingerprints
+                and old.get("world_size") == dist.world
+                and all((out / split / "manifest.json").is_file() for split in cfg.splits)):
+            print(f"[capture] {out} is up to date with this config, target and dataset; reusing it")
+            return out
+    except ManifestError:
+        pass
+
+    splits = {}
+    for split in cfg.splits:
+        if not (in_dir / split).is_dir():
+            raise CaptureError(f"{in_dir / split}: prepared split missing; rerun the prepare stage")
+        ds = datasets.load_from_disk(str(in_dir / split))
+        check_dataset(ds, split, V)
+        splits[split] = ds
+
+    model, _ = target_io.load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype,
+                                     cfg.target.device_map, cfg.target.trust_remote_code)
+    if cfg.target.device_map is None:
+        model.to(_process_device(dist))
+    header = {"hidden_size": H, "target_hidden_size": H, "aux_layer_ids": aux_ids, "hf_indices": hf_indices}
+    results = {}
+    for split, ds in splits.items():
+        seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
+        split_dir = out / split
+        store_dir = split_dir if dist.world == 1 else split_dir / f"part-{dist.rank}"
+        writer = open_writer(store_dir, cfg, header, store_meta(cfg, fingerprints, max_len, dist, split))
+        if dist.is_main:
+            for sid in plan_counts["skipped_overlong"]:
+                if sid not in writer.done_ids:
+                    writer.skip(sid, "overlong")
+        run = capture_split(model, ds, seqs, writer, cfg, aux_ids, dist, desc=f"capture {split}")
+        manifest = writer.finish()
+        dist.barrier()
+        if dist.world > 1 and dist.is_main:
+            manifest = merge_stores(split_dir, [split_dir / f"part-{r}" for r in range(dist.world)])
+        results[split] = {**summarize(manifest, plan_counts), "this_run": run}
+        if dist.is_main:
+            print(f"[capture] {split}: {results[split]['sequences']:,} sequences, {results[split]['tokens']:,} tokens "
+                  f"in {results[split]['shards']} shards; truncated {plan_counts['truncated']}, skipped "
+                  f"{results[split]['skipped'] or 0}; this run {run['tokens_run']:,} tokens in {run['seconds']:.1f}s")
+    if dist.is_main:
+        bytes_per_token = (len(aux_ids) + 1) * H * torch.finfo(getattr(torch, cfg.dtype)).bits // 8 + 9
+        write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
+                       aux_layer_ids=aux_ids, hf_indices=hf_indices, aux_layer_source=source,
+                       target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
+                               "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
+                       world_size=dist.world, store_dtype=cfg.dtype, max_seq_len=max_len,
+                       bytes_per_token=bytes_per_token, splits=results)
+    dist.barrier()
+    return out
+
+
+def _config_sha(target_path) -> str:
+    return hashlib.sha256((Path(target_path) / "config.json").read_bytes()).hexdigest()
+
+
+def _process_device(dist: Dist) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", dist.rank % torch.cuda.device_count())
+    return torch.device("cpu")

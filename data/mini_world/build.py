@@ -1,0 +1,340 @@
+"""`run_mini_world(config)`: build the embedded default world deterministically from the seed.
+
+Stages (each timed; the finished ones are reused on a rerun, so a killed build resumes):
+  read + split   ShareGPT records -> K2 (prose) / K2.5 (code) x eval / corpus / train
+  tokenizer      byte-level BPE on both training parts, Kimi-style specials + chat template
+  k2-mini        DeepSeek-V3 (MLA + MoE) trained from scratch on the K2 part     (causal-LM layout)
+  k25-mini       k2-mini trained further on the K2.5 part                         (Kimi-K2.5 layout)
+  corpus         held-out conversations -> corpus/<target>.jsonl (prepare's default input)
+  report         parameter counts, held-out perplexity of both models on both distributions
+A rerun whose manifest matches the build key (config minus paths, plus the source's fingerprint)
+does nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from eagle3.conf import as_plain_dict
+from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
+from eagle3.schema.mini_world import MiniWorldConfig
+
+from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
+from data.mini_world import checkpoints as ck
+from data.mini_world.lm import encode_conversations, pack_blocks, perplexity, train_lm, unigram_perplexity
+from data.mini_world.split import CODE, PROSE, split_conversations
+from data.mini_world.tokenizer import IM_END, special_token_ids
+
+STAGE = "mini_world"
+TARGET_NAMES = {PROSE: "k2_mini", CODE: "k25_mini"}  # = conf/target/*.yaml names: corpus/<name>.jsonl
+MODEL_DIRS = {PROSE: "k2-mini", CODE: "k25-mini"}
+
+
+def _log(msg: str) -> None:
+    print(f"[mini-world] {msg}", flush=True)
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_key(cfg: MiniWorldConfig, source_fp: str) -> dict:
+    """What the artifacts depend on: everything but where they go and how fast they are made."""
+    c = as_plain_dict(cfg)
+    for k in ("paths", "out_dir", "force", "init", "num_threads"):
+        c.pop(k, None)
+    return {"config": c, "source_fingerprint": source_fp}
+
+
+def _stage_keys(key: dict) -> dict:
+    c = key["config"]
+    data = {"src": key["source_fingerprint"], "seed": c["seed"], "split": c["split"], "source": c["source"]}
+    tok = {**data, "tokenizer": c["tokenizer"]}
+    k2 = {**tok, "model": c["model"], "train": c["k2_train"], "max_tok": c["max_tokens_per_conversation"]}
+    return {"tokenizer": _key(tok), "k2-mini": _key(k2), "k25-mini": _key({**k2, "train2": c["k25_train"]})}
+
+
+class _Stages:
+    """Per-stage stamps (`.stages.json`): a stage whose output exists and whose stamp matches
+    its key is reused, so a build killed after k2-mini does not train it again."""
+
+    def __init__(self, out: Path, keys: dict, fresh: bool):
+        self.out, self.keys, self.path = out, keys, out / ".stages.json"
+        self.stamps = json.loads(self.path.read_text()) if self.path.is_file() and not fresh else {}
+        self.times: dict[str, float] = {}
+
+    def done(self, name: str) -> bool:
+        marker = "tokenizer.json" if name == "tokenizer" else "config.json"
+        return self.stamps.get(name) == self.keys[name] and (self.out / name / marker).is_file()
+
+    def mark(self, name: str) -> None:
+        self.stamps[name] = self.keys[name]
+        atomic_write_json(self.path, self.stamps)
+
+
+def _is_reusable(out: Path, key: dict) -> bool:
+    try:
+        manifest = read_manifest(out, STAGE)
+    except Exception:
+        return False
+    needed = ["tokenizer/tokenizer.json", "k2-mini/config.json", "k25-mini/config.json", "report.json",
+              f"corpus/{TARGET_NAMES[PROSE]}.jsonl", f"corpus/{TARGET_NAMES[CODE]}.jsonl"]
+    return manifest.get("build_key") == key and all((out / p).is_file() for p in needed)
+
+
+def _source_path(cfg: MiniWorldConfig, stack: ExitStack) -> Path:
+    return Path(cfg.source) if cfg.source else stack.enter_context(sharegpt_package_path())
+
+
+def _read_records(path: Path, max_records):
+    stats = ReadStats()
+    recs = []
+    for rec in iter_raw_records(path, stats):
+        recs.append(rec)
+        if max_records is not None and len(recs) >= max_records:
+            break
+    return recs, stats
+
+
+def _text_model(cfg: MiniWorldConfig, tok, seed: int):
+    from transformers import DeepseekV3ForCausalLM
+
+    m = cfg.model
+    tcfg = ck.deepseek_v3_config(
+        vocab_size=len(tok), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_attention_heads,
+        intermediate_size=m.intermediate_size, moe_intermediate_size=m.moe_intermediate_size,
+        n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
+        n_shared_experts=m.n_shared_experts, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        max_position_embeddings=m.max_position_embeddings, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.convert_tokens_to_ids(IM_END), pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(tcfg)
+    # generation stops at the end of the assistant turn (as Kimi's generation_config does)
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(IM_END), tok.eos_token_id]
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def _param_counts(model) -> dict:
+    c = model.config
+    total = sum(p.numel() for p in model.parameters())
+    per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    inactive = moe_layers * (c.n_routed_experts - c.num_experts_per_tok) * per_expert
+    return {"total": total, "active_per_token": total - inactive,
+            "embedding": c.vocab_size * c.hidden_size, "lm_head": c.vocab_size * c.hidden_size}
+
+
+def _write_jsonl(path: Path, convs) -> None:
+    data = "".join(json.dumps(c.sharegpt(), ensure_ascii=False) + "\n" for c in convs)
+    atomic_write_bytes(path, data.encode("utf-8"))
+
+
+def _token_shift(a_seqs, b_seqs, vocab: int, top: int) -> dict:
+    """How differently the two training parts use the vocabulary: total-variation distance of
+    their token frequencies and the overlap of their top-`top` tokens."""
+    def freq(seqs):
+        c = torch.zeros(vocab, dtype=torch.float64)
+        for s in seqs:
+            c += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=vocab).double()
+        return c / c.sum()
+    pa, pb = freq(a_seqs), freq(b_seqs)
+    top = min(top, vocab)
+    ta, tb = set(pa.topk(top).indices.tolist()), set(pb.topk(top).indices.tolist())
+    return {"total_variation": round(0.5 * (pa - pb).abs().sum().item(), 4), "top_n": top,
+            "top_n_overlap": round(len(ta & tb) / top, 4)}
+
+
+def source_fingerprint(path: Path, edge: int = 4 << 20) -> str:
+    """sha256 of the source's size, first and last 4 MB (a directory: of its file list and
+    sizes). Cheap on the 125 MB ShareGPT file and changes whenever the file is replaced."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(edge))
+            if size > edge:
+                fh.seek(max(edge, size - edge))
+                h.update(fh.read(edge))
+    return h.hexdigest()
+
+
+def auto_threads() -> int:
+    """All cores, minus those other processes keep busy: on a shared 2-core machine, two torch
+    threads competing with other jobs spin-wait and run 10x slower than one."""
+    cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]  # runnable processes, averaged over the last minute
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, round(cores - busy)))
+
+
+def run_mini_world(cfg: MiniWorldConfig) -> Path:
+    out = Path(cfg.out_dir)
+    t_all = time.perf_counter()
+    threads = cfg.num_threads or auto_threads()
+    torch.set_num_threads(threads)
+    with ExitStack() as stack:
+        src = _source_path(cfg, stack)
+        key = build_key(cfg, source_fingerprint(src))
+        if not cfg.force and _is_reusable(out, key):
+            _log(f"{out} is up to date (manifest matches the config and source); nothing to do")
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        stages = _Stages(out, _stage_keys(key), fresh=cfg.force)
+        _log(f"building {out} with {threads} torch thread(s)")
+
+        t = time.perf_counter()
+        records, stats = _read_records(src, cfg.split.max_records)
+    _log(stats.summary())
+    s = cfg.split
+    quotas = {(PROSE, "eval"): s.eval_conversations, (CODE, "eval"): s.eval_conversations,
+              (PROSE, "corpus"): s.corpus_conversations_k2, (CODE, "corpus"): s.corpus_conversations_k25}
+    split = split_conversations(records, seed=cfg.seed, code_min_hits=s.code_min_hits,
+                                max_non_ascii_fraction=s.max_non_ascii_fraction, quotas=quotas)
+    del records
+    parts = split.parts
+    _log(f"split: {split.counts()}; skipped {dict(split.skipped)}")
+    for kind in (PROSE, CODE):
+        if not parts[(kind, "train")]:
+            raise ValueError(f"no {kind} training conversations left after the held-out quotas; "
+                             f"lower split.*_conversations or read more records")
+    stages.times["read_split"] = time.perf_counter() - t
+
+    tok = _tokenizer_stage(cfg, out, stages, parts)
+    t = time.perf_counter()
+    enc = {k: {r: encode_conversations(tok, parts[(k, r)], max_tokens=cfg.max_tokens_per_conversation,
+                                        max_chars=cfg.tokenizer.max_chars_per_conversation)
+               for r in ("train", "eval")} for k in (PROSE, CODE)}
+    stages.times["encode"] = time.perf_counter() - t
+
+    k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)
+    k25 = _model_stage(cfg, out, stages, tok, "k25-mini", enc[CODE]["train"], cfg.k25_train, base=k2)
+
+    t = time.perf_counter()
+    for kind in (PROSE, CODE):
+        _write_jsonl(out / "corpus" / f"{TARGET_NAMES[kind]}.jsonl", parts[(kind, "corpus")])
+    stages.times["corpus"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ppl = {}
+    for name, model in (("k2-mini", k2), ("k25-mini", k25)):
+        ppl[name] = {TARGET_NAMES[k]: perplexity(model, enc[k]["eval"], max_tokens=cfg.max_eval_tokens)
+                     for k in (PROSE, CODE)}
+    unigram = {TARGET_NAMES[k]: unigram_perplexity(enc[PROSE]["train"] + enc[CODE]["train"], enc[k]["eval"],
+                                                   len(tok), max_tokens=cfg.max_eval_tokens) for k in (PROSE, CODE)}
+    stages.times["perplexity"] = time.perf_counter() - t
+    stages.times["total"] = time.perf_counter() - t_all
+
+    report = {
+        "source": stats.as_dict(), "skipped": dict(split.skipped), "parts": split.counts(),
+        "tokenizer": {"vocab_size": len(tok), "special_token_ids": special_token_ids(tok)},
+        "token_shift": _token_shift(enc[PROSE]["train"], enc[CODE]["train"], len(tok), top=len(tok) // 8),
+        "models": {n: {"params": _param_counts(m), "layers": m.config.num_hidden_layers,
+                       "hidden_size": m.config.hidden_size,
+                       "train": json.loads((out / n / "train_stats.json").read_text())}
+                   for n, m in (("k2-mini", k2), ("k25-mini", k25))},
+        "perplexity": ppl, "unigram_perplexity": unigram,
+        "times_s": {k: round(v, 1) for k, v in stages.times.items()},
+    }
+    atomic_write_json(out / "report.json", report)
+    write_manifest(out, STAGE, cfg, build_key=key, source=str(src), source_read=stats.as_dict(),
+                   counts=split.counts(), torch_threads=threads, artifacts=["tokenizer", "k2-mini", "k25-mini", "corpus", "report.json"])
+    print(format_report(report), flush=True)
+    return out
+
+
+def _tokenizer_stage(cfg, out: Path, stages: _Stages, parts):
+    from transformers import AutoTokenizer
+
+    t = time.perf_counter()
+    if stages.done("tokenizer"):
+        _log("tokenizer: reused")
+    else:
+        texts, total = [], 0
+        per = cfg.tokenizer.max_chars_per_conversation
+        # interleave the two training parts so a char cap keeps both represented
+        for pair in zip(parts[(PROSE, "train")], parts[(CODE, "train")]):
+            for conv in pair:
+                text = "\n".join(t["value"] for t in conv.turns)[:per]
+                texts.append(text)
+                total += len(text)
+            if total >= cfg.tokenizer.max_chars:
+                break
+        _log(f"tokenizer: training byte-level BPE ({cfg.tokenizer.vocab_size} ids) on {len(texts):,} "
+             f"conversations, {total / 1e6:.1f}M chars")
+        ck.train_tokenizer(texts, cfg.tokenizer.vocab_size, out / "tokenizer", min_frequency=cfg.tokenizer.min_frequency)
+        stages.mark("tokenizer")
+    stages.times["tokenizer"] = time.perf_counter() - t
+    return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+
+
+def _model_stage(cfg, out: Path, stages: _Stages, tok, name: str, train_seqs, train_cfg, base):
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    t = time.perf_counter()
+    if stages.done(name):
+        _log(f"{name}: reused")
+        if name == "k2-mini":
+            model = DeepseekV3ForCausalLM.from_pretrained(str(out / name))
+        else:  # the text model out of the Kimi-K2.5 wrapper, as a plain causal LM for scoring
+            wrapper = Kimi_K25ForConditionalGeneration.from_pretrained(str(out / name))
+            model = _text_model(cfg, tok, cfg.seed)
+            model.model.load_state_dict(wrapper.model.language_model.state_dict())
+            model.lm_head.load_state_dict(wrapper.lm_head.state_dict())
+        stages.times[name] = time.perf_counter() - t
+        return model.eval()
+    seed = cfg.seed + (1 if base is None else 2)
+    if base is None:
+        model = _text_model(cfg, tok, cfg.seed)
+    else:  # continue from k2-mini's weights (a copy: k2-mini itself stays as it is)
+        model = _text_model(cfg, tok, cfg.seed)
+        model.load_state_dict(base.state_dict())
+    blocks = pack_blocks(train_seqs, train_cfg.seq_len)
+    need = train_cfg.steps * train_cfg.batch_size
+    _log(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(blocks):,} blocks of "
+         f"{train_cfg.seq_len} tokens, {need:,} used ({need / len(blocks):.2f} passes)")
+    stats = train_lm(model, blocks, train_cfg, seed=seed, desc=name)
+    stats["blocks_available"] = len(blocks)
+    if name == "k2-mini":
+        ck.save_causal_lm(model, out / "tokenizer", out / name)
+    else:
+        ck.save_kimi_k25(model, out / "tokenizer", out / name, seed=cfg.seed)
+    atomic_write_json(out / name / "train_stats.json", stats)
+    stages.mark(name)
+    stages.times[name] = time.perf_counter() - t
+    _log(f"{name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} in {stages.times[name]:.0f}s")
+    return model
+
+
+def format_report(r: dict) -> str:
+    names = list(r["perplexity"])
+    dists = list(r["unigram_perplexity"])
+    lines = ["", "mini world", f"  source: {r['source']['read']:,} records read"
+             + (f" (file truncated at line {r['source']['truncated_at_line']})" if r["source"]["truncated"] else ""),
+             f"  parts: {r['parts']}",
+             f"  tokenizer vocab: {r['tokenizer']['vocab_size']:,}; token shift k2 vs k25: "
+             f"TV {r['token_shift']['total_variation']}, top-{r['token_shift']['top_n']} overlap "
+             f"{r['token_shift']['top_n_overlap']}"]
+    for n in names:
+        p = r["models"][n]["params"]
+        lines.append(f"  {n}: {p['total'] / 1e6:.2f}M params ({p['active_per_token'] / 1e6:.2f}M active), "
+                     f"{r['models'][n]['train']['tokens']:,} training tokens")
+    lines.append("  held-out perplexity   " + "".join(f"{d:>12}" for d in dists))
+    for n in names:
+        lines.append(f"  {n:<21} " + "".join(f"{r['perplexity'][n][d]['ppl']:>12.2f}" for d in dists))
+    lines.append(f"  {'unigram baseline':<21} " + "".join(f"{r['unigram_perplexity'][d]:>12.2f}" for d in dists))
+    lines.append("  times (s): " + ", ".join(f"{k} {v}" for k, v in r["times_s"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""Training and scoring the mini language models on CPU: chat-template rendering, packing into
+fixed-length blocks, a plain AdamW loop with warmup + cosine decay, and held-out perplexity."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from data.mini_world.split import Conversation
+
+
+def encode_conversations(tokenizer, convs: Sequence[Conversation], *, max_tokens: int,
+                         max_chars: int) -> list[list[int]]:
+    """Each conversation rendered with the tokenizer's chat template (text cut to `max_chars`
+    first so rendering stays cheap), tokenized, and cut to its first `max_tokens` tokens."""
+    texts = [tokenizer.apply_chat_template(c.messages(max_chars), tokenize=False) for c in convs]
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [ids[:max_tokens] for ids in enc]
+
+
+def pack_blocks(seqs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
+    """Concatenate sequences and cut into [N, seq_len] blocks (the ragged tail is dropped).
+    Blocks may span conversations; every conversation starts with its own system header."""
+    flat = [t for s in seqs for t in s]
+    n = len(flat) // seq_len
+    if n == 0:
+        raise ValueError(f"only {len(flat)} tokens: not enough for one block of {seq_len}")
+    return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def lr_at(step: int, *, steps: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_ratio` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup - 1)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str) -> dict:
+    """Train `model` in place for `cfg.steps` steps of `cfg.batch_size` blocks (seeded order,
+    reshuffled each pass over the data). Returns loss figures and tokens seen."""
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    order = torch.randperm(len(blocks), generator=gen)
+    cursor, losses = 0, []
+    model.train()
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
+    for step in bar:
+        if cursor + cfg.batch_size > len(order):
+            order, cursor = torch.randperm(len(blocks), generator=gen), 0
+        batch = blocks[order[cursor: cursor + cfg.batch_size]]
+        cursor += cfg.batch_size
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
+        loss = model(input_ids=batch, labels=batch).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}; lower the lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * blocks.shape[1],
+            "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
+
+
+@torch.no_grad()
+def perplexity(model, seqs: Sequence[Sequence[int]], *, max_tokens: int, batch_size: int = 8) -> dict:
+    """Token-level perplexity over whole conversations (each scored on its own, no packing),
+    predicting tokens 1.. of each, until `max_tokens` targets are scored."""
+    model.eval()
+    picked, total = [], 0
+    for s in seqs:
+        if len(s) < 2 or total >= max_tokens:
+            continue
+        s = list(s[: max_tokens - total + 1])
+        picked.append(s)
+        total += len(s) - 1
+    nll, count = 0.0, 0
+    for i in range(0, len(picked), batch_size):
+        chunk = picked[i: i + batch_size]
+        T = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), T, dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.bool)
+        for j, s in enumerate(chunk):
+            ids[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = True
+        logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()  # [B, T-1, V]
+        tgt, valid = ids[:, 1:], mask[:, 1:]
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+        nll -= lp[valid].sum().item()
+        count += int(valid.sum())
+    return {"tokens": count, "nll": nll / max(1, count), "ppl": math.exp(nll / max(1, count))}
+
+
+def unigram_perplexity(train_seqs: Sequence[Sequence[int]], eval_seqs: Sequence[Sequence[int]],
+                       vocab_size: int, *, max_tokens: int) -> float:
+    """Perplexity of an add-one unigram model fitted on `train_seqs`: the bar a real LM must beat."""
+    counts = torch.ones(vocab_size, dtype=torch.float64)
+    for s in train_seqs:
+        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=vocab_size).double()
+    logp = torch.log(counts / counts.sum())
+    nll, n = 0.0, 0
+    for s in eval_seqs:
+        if n >= max_tokens or len(s) < 2:
+            continue
+        tgt = torch.tensor(s[1: 1 + max_tokens - n], dtype=torch.long)
+        nll -= logp[tgt].sum().item()
+        n += len(tgt)
+    return math.exp(nll / max(1, n))

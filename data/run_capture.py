@@ -1,0 +1,31 @@
+"""Entry point of the capture stage: `python data/run_capture.py [overrides]` (`make capture-hidden`).
+
+Runs the target over the prepared dataset and writes per split a hidden-state store.
+  +init=aqmedai_k2        take the aux layer ids from that drafter's eagle_config
+  aux_layer_ids=[2,30,58] or give them explicitly (null: SGLang's default)
+  accelerate launch --num_processes N data/run_capture.py ...   one slice per process, merged by rank 0
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+
+from data.capture import CaptureError, run_capture  # noqa: E402
+from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from eagle3.schema.capture import CaptureConfig  # noqa: E402
+from eagle3.store import StoreError  # noqa: E402
+from eagle3.target_io import TargetError  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="capture", version_base=None)
+def main(cfg) -> None:
+    try:
+        run_capture(to_schema(cfg, CaptureConfig))
+    except (ConfigError, CaptureError, StoreError, TargetError) as e:
+        sys.exit(f"capture failed: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Accept-length replay in SGLang's convention (pure: tensors and callables in, numbers out).
+
+What is simulated (DESIGN.md "Accept length"): greedy (temperature 0) EAGLE speculative decoding
+with SGLang's knobs `num_steps`, `topk`, `num_draft_tokens`. A verify *cycle* starts from the
+last verified token; the drafter proposes a tree (a chain when topk == 1), the target checks it
+in one forward pass, the longest root path matching the target's greedy tokens is accepted and
+the target adds one token of its own (the bonus). Accept length = tokens emitted / cycles, bonus
+included, so a drafter that is never right scores exactly 1.0.
+
+Replay over a stored sequence x_0..x_{T-1} with the target's greedy choices g_t = target_argmax[t]
+(the target's prediction of x_{t+1} given x_0..x_t):
+  * A *segment* is a maximal run of positions t = a..b where x_{t+1} is an assistant token
+    (loss_mask[t+1]) and the stored sequence is the target's greedy continuation (x_{t+1} == g_t).
+    Inside a segment the stored sequence IS what greedy decoding would emit, so the target's
+    verdict at every position is g_t. Where x_{t+1} != g_t the store no longer tells what the
+    target would say after its own token, so the replay stops there and restarts at the next
+    segment (counted as a mismatch; with target-regenerated data mismatches are rare ties).
+  * x_{a+1} is the prefill's token (no cycle). Cycles start with the last verified token at
+    q = a+1; a cycle at q judges draft depth j (1-based) against g_{q+j-1}; with k drafts
+    accepted it emits min(k + 1, b + 1 - q) tokens (a cycle that runs into the segment end stops
+    there, as a decode stops at its last token), and the next cycle starts at q + emitted.
+  * Only the verdicts (g) and the drafter are needed: the drafter is a callable, so tests drive
+    the replay with hand-made drafters and eval drives it with the real one (eval/drafter_session).
+
+Trees follow SGLang (speculative/eagle_utils.py `select_top_k_tokens`, `organize_draft_results`,
+`build_tree_kernel_efficient`): step 0 keeps the top-k of the first distribution; each later step
+expands every kept path by its top-k (cumulative score = product of draft probabilities), records
+all topk*topk expansions as candidates and keeps the best topk paths; after num_steps steps the
+num_draft_tokens-1 best candidates by cumulative score form the tree, each node's parent being the
+candidate it was expanded from. Ties are broken towards the earlier candidate (so with equal
+scores parents precede children); a node whose parent was not selected is unreachable, as in
+SGLang's tree builder. Verification walks the tree greedily from the root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpecKnobs:
+    """SGLang's --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens."""
+    num_steps: int = 2
+    topk: int = 1
+    num_draft_tokens: int = 3
+
+    def __post_init__(self):
+        if self.num_steps < 1 or self.topk < 1:
+            raise ValueError(f"{self}: num_steps and topk must be >= 1")
+        if not 2 <= self.num_draft_tokens <= 1 + self.num_candidates:
+            raise ValueError(f"{self}: num_draft_tokens must be in [2, {1 + self.num_candidates}] "
+                             f"(the verified token plus at most topk + (num_steps-1)*topk^2 candidates)")
+
+    @property
+    def num_candidates(self) -> int:
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest draft position a tree can reach (a chain of num_draft_tokens-1 nodes at most)."""
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes of one cycle (the verified token is the implicit root, index -1).
+    tokens Long [n] target-vocab ids; parents Long [n] with parents[i] < i or -1."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+    @staticmethod
+    def chain(tokens: torch.Tensor) -> "DraftTree":
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return DraftTree(tokens, torch.arange(tokens.numel(), dtype=torch.long) - 1)
+
+    @property
+    def depth(self) -> int:
+        depth, d = 0, {}
+        for i, p in enumerate(self.parents.tolist()):
+            d[i] = 1 + (d[p] if p >= 0 else 0)
+            depth = max(depth, d[i])
+        return depth
+
+
+class StepDrafter(Protocol):
+    """One cycle's drafter, called by `build_sglang_tree`.
+
+    `__call__(None, None)` -> (p [1, topk], ids [1, topk]): the distribution after the verified token.
+    `__call__(src [b], tokens [b])` -> (p [b, topk], ids [b, topk]): row r continues row src[r] of the
+    previous call with draft token tokens[r] (its own pre-norm hidden + that token's embedding).
+    p are draft probabilities (descending per row), ids target-vocab token ids."""
+
+    def __call__(self, src: Optional[torch.Tensor], tokens: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _topk_first(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values of 1-D x, ties to the lower index (torch.topk leaves ties open)."""
+    order = torch.sort(-x.float(), stable=True).indices
+    return order[:k]
+
+
+def build_sglang_tree(drafter: StepDrafter, knobs: SpecKnobs) -> DraftTree:
+    """Draft one cycle's tree as SGLang does (module docstring); returns nodes in candidate order."""
+    k = knobs.topk
+    p, ids = drafter(None, None)                      # [1, topk] each
+    p, ids = p.reshape(-1)[:k].float(), ids.reshape(-1)[:k].long()
+    cand_score, cand_token = [p], [ids]
+    cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # flat candidate index of the parent
+    beam_flat = torch.arange(k)                        # flat indices of the kept paths' last nodes
+    beam_score, beam_token = p, ids
+    src = torch.zeros(k, dtype=torch.long)             # every first-step path continues the root state
+    for step in range(1, knobs.num_steps):
+        p, ids = drafter(src, beam_token)              # [k, topk]
+        p, ids = p[:, :k].float(), ids[:, :k].long()
+        expand = (beam_score[:, None] * p).reshape(-1)  # [k*k] cumulative scores
+        base = k + (step - 1) * k * k
+        cand_score.append(expand)
+        cand_token.append(ids.reshape(-1))
+        cand_parent.append(beam_flat.repeat_interleave(k))
+        keep = _topk_first(expand, k)
+        src = keep // k
+        beam_flat, beam_score, beam_token = base + keep, expand[keep], ids.reshape(-1)[keep]
+    scores, tokens, parents = torch.cat(cand_score), torch.cat(cand_token), torch.cat(cand_parent)
+    chosen = torch.sort(_topk_first(scores, knobs.num_draft_tokens - 1)).values
+    node_of = {int(c): i for i, c in enumerate(chosen.tolist())}
+    node_parent = [node_of.get(int(parents[c]), -2) if int(parents[c]) >= 0 else -1 for c in chosen.tolist()]
+    # -2: parent not selected -> unreachable; drop it (and, by order, its descendants).
+    keep_nodes, remap = [], {-1: -1}
+    for i, par in enumerate(node_parent):
+        if par in remap:
+            remap[i] = len(keep_nodes)
+            keep_nodes.append((int(tokens[chosen[i]]), remap[par]))
+    if not keep_nodes:
+        return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    t, par = zip(*keep_nodes)
+    return DraftTree(torch.tensor(t, dtype=torch.long), torch.tensor(par, dtype=torch.long))
+
+
+def greedy_tree_accept(tree: DraftTree, truth: torch.Tensor) -> int:
+    """Number of draft tokens accepted: walk from the root, at depth d follow the child whose token
+    equals truth[d] (the target's greedy token there); stop at a miss or after len(truth) steps."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        children.setdefault(par, {}).setdefault(tok, i)  # first sibling with that token wins
+    node, accepted = -1, 0
+    for want in truth.tolist():
+        node = children.get(node, {}).get(want)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def greedy_segments(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_argmax: torch.Tensor
+                    ) -> tuple[list[tuple[int, int]], int, int]:
+    """Segments (a, b) of positions whose next token is an assistant token and the target's greedy
+    choice (module docstring). Returns (segments, assistant positions, mismatching positions)."""
+    x, g = input_ids.long().reshape(-1), target_argmax.long().reshape(-1)
+    m = loss_mask.bool().reshape(-1)
+    if not (x.numel() == g.numel() == m.numel()):
+        raise ValueError(f"greedy_segments: input_ids {x.numel()}, loss_mask {m.numel()}, "
+                         f"target_argmax {g.numel()} differ in length")
+    valid = m[1:]                                      # [T-1]: position t predicts an assistant token
+    ok = (valid & (x[1:] == g[:-1])).tolist()
+    segs, start = [], None
+    for t, good in enumerate(ok + [False]):
+        if good and start is None:
+            start = t
+        elif not good and start is not None:
+            segs.append((start, t - 1))
+            start = None
+    n_valid = int(valid.sum())
+    return segs, n_valid, n_valid - sum(ok)
+
+
+@dataclass
+class AcceptStats:
+    """Counts of a replay; merge with `+=`. Depths are 1..max_depth (index 0 = depth 1)."""
+    max_depth: int
+    cycles: int = 0
+    tokens: int = 0
+    truncated_cycles: int = 0                # cycles that ran into a segment end
+    emitted_hist: list[int] = field(default_factory=list)  # [max_depth+1]: cycles emitting 1..max_depth+1
+    judged: list[int] = field(default_factory=list)        # cycles where depth j could be judged
+    accepted: list[int] = field(default_factory=list)      # cycles where depth j was accepted
+    segments: int = 0
+    assistant_positions: int = 0
+    mismatches: int = 0
+    sequences: int = 0
+
+    def __post_init__(self):
+        n = self.max_depth
+        self.emitted_hist = self.emitted_hist or [0] * (n + 1)
+        self.judged = self.judged or [0] * n
+        self.accepted = self.accepted or [0] * n
+
+    def add_cycle(self, accepted: int, remaining: int) -> int:
+        emitted = min(accepted + 1, remaining)
+        self.cycles += 1
+        self.tokens += emitted
+        self.truncated_cycles += int(remaining <= self.max_depth)
+        self.emitted_hist[emitted - 1] += 1
+        for j in range(min(self.max_depth, remaining)):
+            self.judged[j] += 1
+            self.accepted[j] += int(j < accepted)
+        return emitted
+
+    def __iadd__(self, other: "AcceptStats") -> "AcceptStats":
+        if other.max_depth != self.max_depth:
+            raise ValueError(f"cannot merge replays of depth {self.max_depth} and {other.max_depth}")
+        for name in ("cycles", "tokens", "truncated_cycles", "segments", "assistant_positions",
+                     "mismatches", "sequences"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("emitted_hist", "judged", "accepted"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        return self
+
+    @property
+    def accept_length(self) -> float:
+        return self.tokens / self.cycles if self.cycles else float("nan")
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft at depth j accepted) over cycles where depth j could be judged."""
+        return [a / n if n else float("nan") for a, n in zip(self.accepted, self.judged)]
+
+    def conditional_acceptance(self) -> list[float]:
+        """P(depth j accepted | depth j-1 accepted) (depth 1: unconditional)."""
+        out, prev = [], None
+        for a, n in zip(self.accepted, self.judged):
+            base = n if prev is None else prev
+            out.append(a / base if base else float("nan"))
+            prev = a
+        return out
+
+    def to_dict(self) -> dict:
+        return {"accept_length": self.accept_length, "cycles": self.cycles, "tokens": self.tokens,
+                "truncated_cycles": self.truncated_cycles,
+                "emitted_histogram": {str(i + 1): c for i, c in enumerate(self.emitted_hist)},
+                "acceptance_by_position": self.acceptance_by_position(),
+                "conditional_acceptance": self.conditional_acceptance(),
+                "sequences": self.sequences, "segments": self.segments,
+                "assistant_positions": self.assistant_positions, "mismatches": self.mismatches,
+                "mismatch_rate": self.mismatches / self.assistant_positions if self.assistant_positions else 0.0}
+
+
+# propose(q) -> the draft tree of the cycle whose last verified token is at position q
+ProposeFn = Callable[[int], DraftTree]
+
+
+def replay_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_argmax: torch.Tensor,
+                    propose: ProposeFn, max_depth: int, max_cycles: Optional[int] = None) -> AcceptStats:
+    """Replay greedy speculative decoding over one stored sequence (module docstring).
+
+    input_ids, loss_mask, target_argmax [T]; `propose(q)` drafts the cycle at q (it may only look at
+    tokens 0..q and the target states of positions < q); max_depth = `SpecKnobs.max_depth`.
+    """
+    segs, n_valid, n_bad = greedy_segments(input_ids, loss_mask, target_argmax)
+    g = target_argmax.long().reshape(-1)
+    stats = AcceptStats(max_depth, segments=len(segs), assistant_positions=n_valid, mismatches=n_bad, sequences=1)
+    for a, b in segs:
+        q = a + 1
+        while q <= b and (max_cycles is None or stats.cycles < max_cycles):
+            remaining = b + 1 - q                       # tokens x_{q+1}..x_{b+1} left in the segment
+            tree = propose(q)
+            if tree.depth > max_depth:
+                raise ValueError(f"drafter proposed a tree of depth {tree.depth} > max_depth {max_depth}")
+            accepted = greedy_tree_accept(tree, g[q:q + remaining])
+            q += stats.add_cycle(accepted, remaining)
+    return stats

@@ -1,0 +1,390 @@
+"""What an exported EAGLE-3 drafter directory must contain, per serving format (pure: dicts and
+tensors in, problem lists out; no file I/O).
+
+Two formats:
+- ``sglang``: SGLang's ``LlamaForCausalLMEagle3`` (also the SpecForge / AQ-MedAI layout). Weights
+  ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. SGLang's loader
+  prefixes unknown names with ``model.`` and silently drops whatever still does not match a parameter,
+  so a misspelt weight would leave a randomly initialised one in the served drafter: every name is checked.
+- ``speculators``: vLLM's speculators ``Eagle3Speculator``. Same tensors, the decoder layer named
+  ``layers.0.*`` instead of ``midlayer.*``.
+
+Embeddings are the target's (SGLang calls ``set_embed``; vLLM shares the target's when the checkpoint has
+none), so neither format ships ``embed_tokens``.
+
+Aux layer ids differ between the two servers (checked against their sources): SGLang captures at
+``id + 1`` for every id of ``eagle_config.eagle_aux_hidden_state_layer_ids`` (the output of decoder layer
+``id``), while vLLM captures the residual stream *entering* layer ``id``, i.e. Hugging Face
+``output_hidden_states[id]``. So the SGLang config carries the capture's *layer ids* and the speculators
+config carries the capture's *HF indices* (= ids + 1); both name the same states.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+FORMATS = ("sglang", "speculators")
+FORMAT_CHOICES = FORMATS + ("both",)
+LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
+WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCH = "Eagle3Speculator"
+# Names (after the layer prefix) of the one decoder layer, and the tensors outside it.
+LAYER_WEIGHTS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+)
+TOP_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight")
+VOCAB_BUFFERS = ("d2t", "t2d")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The sizes that fix every tensor's shape, read from an SGLang-style config dict."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "DrafterShape":
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+                   if cfg.get(k) is None]
+        if missing:
+            raise KeyError(f"drafter config lacks {missing}")
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            # SGLang: an absent draft_vocab_size means the full target vocab
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        )
+
+
+# ---------------------------------------------------------------- names
+
+def to_format_name(name: str, fmt: str) -> str:
+    """An SGLang (canonical) weight name -> its name in `fmt`."""
+    _check_format(fmt)
+    canon = LAYER_PREFIX["sglang"]
+    if fmt != "sglang" and name.startswith(canon):
+        return LAYER_PREFIX[fmt] + name[len(canon):]
+    return name
+
+
+def from_format_name(name: str, fmt: str) -> str:
+    """A weight name in `fmt` -> the SGLang (canonical) name (inverse of `to_format_name`)."""
+    _check_format(fmt)
+    prefix = LAYER_PREFIX[fmt]
+    if fmt != "sglang" and name.startswith(prefix):
+        return LAYER_PREFIX["sglang"] + name[len(prefix):]
+    return name
+
+
+def expected_tensors(shape: DrafterShape, fmt: str = "sglang", dtype: torch.dtype = torch.bfloat16
+                     ) -> dict[str, TensorSpec]:
+    """Every tensor the `fmt` directory must hold, with shape and dtype; nothing else is allowed."""
+    h, ht, i = shape.hidden_size, shape.target_hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    layer = {
+        "self_attn.q_proj.weight": (q, 2 * h),     # attends over [norm(embed), norm(hidden)]: 2H wide
+        "self_attn.k_proj.weight": (kv, 2 * h),
+        "self_attn.v_proj.weight": (kv, 2 * h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,),
+        "hidden_norm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    spec = {to_format_name(LAYER_PREFIX["sglang"] + k, fmt): TensorSpec(v, dtype) for k, v in layer.items()}
+    spec["fc.weight"] = TensorSpec((h, 3 * ht), dtype)          # 3 concatenated target aux states -> H
+    spec["norm.weight"] = TensorSpec((h,), dtype)
+    spec["lm_head.weight"] = TensorSpec((shape.draft_vocab_size, h), dtype)
+    spec["d2t"] = TensorSpec((shape.draft_vocab_size,), torch.int64)   # offsets: target id = i + d2t[i]
+    spec["t2d"] = TensorSpec((shape.vocab_size,), torch.bool)          # mask over the target vocab
+    return spec
+
+
+# ---------------------------------------------------------------- tensor checks
+
+def tensor_problems(tensors: Mapping[str, Any], expected: Mapping[str, TensorSpec]) -> list[str]:
+    """Missing / unexpected names, wrong shapes or dtypes. `tensors` values need `.shape` and `.dtype`
+    (tensors, or safetensors slices mapped to torch dtypes by the caller)."""
+    problems = []
+    for name in sorted(set(expected) - set(tensors)):
+        problems.append(f"missing tensor {name!r} (expected shape {list(expected[name].shape)}, "
+                        f"{_dtype_name(expected[name].dtype)})")
+    for name in sorted(set(tensors) - set(expected)):
+        hint = _rename_hint(name, expected)
+        problems.append(f"unexpected tensor {name!r} shape {list(tensors[name].shape)}: the server would "
+                        f"silently ignore it{hint}")
+    for name in sorted(set(tensors) & set(expected)):
+        got, want = tensors[name], expected[name]
+        if tuple(got.shape) != want.shape:
+            problems.append(f"tensor {name!r} has shape {list(got.shape)}, expected {list(want.shape)}")
+        if got.dtype != want.dtype:
+            problems.append(f"tensor {name!r} has dtype {_dtype_name(got.dtype)}, expected {_dtype_name(want.dtype)}")
+    return problems
+
+
+def nonfinite_problems(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Floating tensors holding NaN/inf (a diverged run must not be shipped)."""
+    out = []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                out.append(f"tensor {name!r} has {bad} non-finite values")
+    return out
+
+
+def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int
+                           ) -> list[str]:
+    """`d2t` (int64 offsets, [draft_V]) and `t2d` (bool, [V]) must describe the same draft vocab
+    (the model's check: target ids `arange(draft_V) + d2t` distinct, inside [0, V), `t2d` true exactly
+    there), stored with the dtypes servers expect, and sorted by target id: loaders that use `t2d`
+    (`logits[..., t2d]`) read the draft vocab in id order, so an unsorted d2t means shuffled logits."""
+    from eagle3.model import vocab_mapping_problems as mapping_problems
+
+    problems = []
+    if d2t.dtype != torch.int64:
+        problems.append(f"d2t has dtype {_dtype_name(d2t.dtype)}, expected int64 offsets")
+    if t2d.dtype != torch.bool:
+        problems.append(f"t2d has dtype {_dtype_name(t2d.dtype)}, expected bool")
+    if d2t.dim() != 1 or t2d.dim() != 1:
+        return problems + [f"d2t and t2d must be 1-D, got shapes {list(d2t.shape)} and {list(t2d.shape)}"]
+    core = mapping_problems(d2t, t2d, draft_vocab_size, vocab_size)
+    problems += core
+    if not core and d2t.numel() > 1:
+        target_ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.long()
+        if not bool((target_ids[1:] > target_ids[:-1]).all()):
+            problems.append("d2t target ids are not increasing: the draft vocab must be sorted by target id")
+    return problems
+
+
+# ---------------------------------------------------------------- configs
+
+def rope_settings(cfg: Mapping[str, Any]) -> tuple[float, Any]:
+    """(rope_theta, rope_scaling) of a config in either the transformers-4 keys or 5's `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if theta is None:
+        raise KeyError("drafter config has no rope_theta (nor rope_parameters.rope_theta)")
+    return float(theta), scaling
+
+
+def sglang_config(drafter_cfg: Mapping[str, Any], *, vocab_size: int, max_position_embeddings: int,
+                  aux_layer_ids: Sequence[int], dtype: str) -> dict:
+    """The SGLang `config.json`: the trained drafter's own config with the serving-critical fields set from
+    the target and the capture (not from whatever the init drafter shipped with)."""
+    theta, scaling = rope_settings(drafter_cfg)
+    shape = DrafterShape.from_hf_dict({**drafter_cfg, "vocab_size": vocab_size})
+    cfg = {k: v for k, v in drafter_cfg.items()
+           if k not in ("rope_parameters", "dtype", "transformers_version", "_name_or_path")}
+    cfg.update(
+        architectures=[SGLANG_ARCH],
+        model_type="llama",
+        num_hidden_layers=1,            # SGLang builds extra BasicDecoderLayers for > 1
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        hidden_act=drafter_cfg.get("hidden_act", "silu"),
+        rms_norm_eps=drafter_cfg.get("rms_norm_eps", 1e-6),
+        vocab_size=int(vocab_size),
+        draft_vocab_size=shape.draft_vocab_size,
+        target_hidden_size=shape.target_hidden_size,
+        max_position_embeddings=int(max_position_embeddings),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=False,      # True would make SGLang use the embedding as lm_head
+        attention_bias=False,
+        mlp_bias=False,
+        torch_dtype=dtype,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
+                      "use_aux_hidden_state": True},
+    )
+    return cfg
+
+
+def speculators_config(sglang_cfg: Mapping[str, Any], *, hf_indices: Sequence[int], verifier_path: str,
+                       verifier_architectures: Sequence[str], speculative_tokens: int) -> dict:
+    """The vLLM speculators `config.json` equivalent to an SGLang config (see the module doc on ids)."""
+    layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                  "rope_scaling", "bos_token_id", "eos_token_id")
+    layer = {k: sglang_cfg[k] for k in layer_keys if k in sglang_cfg}
+    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1,
+                 attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                 torch_dtype=sglang_cfg.get("torch_dtype"))
+    return {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": int(sglang_cfg["draft_vocab_size"]),
+        "target_hidden_size": int(sglang_cfg["target_hidden_size"]),
+        # vLLM defaults this to True when absent; our drafter keeps the un-normalised hidden as residual
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in hf_indices],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_path), "architectures": list(verifier_architectures)},
+        },
+        "torch_dtype": sglang_cfg.get("torch_dtype"),
+    }
+
+
+def sglang_from_speculators(spec_cfg: Mapping[str, Any]) -> dict:
+    """Inverse of `speculators_config` (for loading a speculators directory back into our drafter)."""
+    layer = dict(spec_cfg["transformer_layer_config"])
+    ids = [int(i) - 1 for i in spec_cfg.get("eagle_aux_hidden_state_layer_ids") or []]
+    cfg = {k: v for k, v in layer.items() if k != "architectures"}
+    cfg.update(architectures=[SGLANG_ARCH], draft_vocab_size=spec_cfg["draft_vocab_size"],
+               target_hidden_size=spec_cfg.get("target_hidden_size") or layer["hidden_size"],
+               eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    if spec_cfg.get("torch_dtype"):
+        cfg["torch_dtype"] = spec_cfg["torch_dtype"]
+    return cfg
+
+
+def sglang_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draft_vocab_size: int,
+                           max_position_embeddings: int, aux_layer_ids: Sequence[int], dtype: str,
+                           rope: tuple[float, Any] | None = None) -> list[str]:
+    """Every field SGLang reads that could silently ruin acceptance, against what it must be."""
+    p: list[str] = []
+    _expect(p, cfg, "architectures", [SGLANG_ARCH])
+    _expect(p, cfg, "draft_vocab_size", int(draft_vocab_size), why="rows of lm_head / entries of d2t")
+    p += _layer_field_problems(cfg, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+                               dtype=dtype, rope=rope)
+    eagle = cfg.get("eagle_config")
+    if not isinstance(eagle, Mapping):
+        p.append("config has no eagle_config: SGLang would capture its default layers [2, L//2, L-3] "
+                 "instead of the ones the drafter was trained on")
+    else:
+        got = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if list(got or []) != [int(i) for i in aux_layer_ids]:
+            p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={got!r}, but the states were captured "
+                     f"with layer ids {list(aux_layer_ids)}")
+        if eagle.get("use_aux_hidden_state") is not True:
+            p.append(f"eagle_config.use_aux_hidden_state={eagle.get('use_aux_hidden_state')!r}, expected true")
+    return p
+
+
+def speculators_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draft_vocab_size: int,
+                                max_position_embeddings: int, hf_indices: Sequence[int], dtype: str,
+                                rope: tuple[float, Any] | None = None) -> list[str]:
+    """The speculators config's own fields, then its nested `transformer_layer_config`."""
+    p: list[str] = []
+    _expect(p, cfg, "architectures", [SPECULATORS_ARCH])
+    _expect(p, cfg, "speculators_model_type", "eagle3")
+    _expect(p, cfg, "draft_vocab_size", int(draft_vocab_size), why="rows of lm_head / entries of d2t")
+    _expect(p, cfg, "norm_before_residual", False, why="vLLM defaults an absent value to true")
+    got = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if list(got or []) != [int(i) for i in hf_indices]:
+        p.append(f"eagle_aux_hidden_state_layer_ids={got!r}, expected the captured HF indices {list(hf_indices)} "
+                 f"(vLLM captures the stream entering layer id)")
+    spec = cfg.get("speculators_config")
+    if not isinstance(spec, Mapping):
+        p.append("config has no speculators_config")
+    else:
+        methods = spec.get("proposal_methods") or []
+        first = methods[0] if methods and isinstance(methods[0], Mapping) else {}
+        if not isinstance(first.get("speculative_tokens"), int):
+            p.append("speculators_config.proposal_methods[0].speculative_tokens is missing")
+        if spec.get("default_proposal_method") != first.get("proposal_type"):
+            p.append(f"default_proposal_method={spec.get('default_proposal_method')!r} is not the listed "
+                     f"proposal type {first.get('proposal_type')!r}")
+        verifier = spec.get("verifier")
+        if not isinstance(verifier, Mapping) or not verifier.get("name_or_path"):
+            p.append("speculators_config.verifier.name_or_path is missing (vLLM needs the verifier named)")
+        if spec.get("algorithm") != "eagle3":
+            p.append(f"speculators_config.algorithm={spec.get('algorithm')!r}, expected 'eagle3'")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, Mapping):
+        p.append("config has no transformer_layer_config")
+    else:
+        p += [f"transformer_layer_config: {m}" for m in _layer_field_problems(
+            layer, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, dtype=dtype, rope=rope)]
+    return p
+
+
+def _layer_field_problems(cfg: Mapping[str, Any], *, vocab_size: int, max_position_embeddings: int, dtype: str,
+                          rope: tuple[float, Any] | None) -> list[str]:
+    """Fields both formats' decoder-layer config must get right."""
+    p: list[str] = []
+    _expect(p, cfg, "vocab_size", int(vocab_size), why="the target's vocab")
+    _expect(p, cfg, "num_hidden_layers", 1)
+    _expect(p, cfg, "tie_word_embeddings", False, why="True makes the server use the embedding as lm_head")
+    _expect(p, cfg, "torch_dtype", dtype)
+    mpe = cfg.get("max_position_embeddings")
+    if not isinstance(mpe, int) or mpe < int(max_position_embeddings):
+        p.append(f"config max_position_embeddings={mpe!r}, expected >= the target's context length "
+                 f"{max_position_embeddings}")
+    try:
+        theta, scaling = rope_settings(cfg)
+        if rope is not None and (theta, scaling) != (float(rope[0]), rope[1]):
+            p.append(f"rope settings (theta={theta}, scaling={scaling}) differ from training's "
+                     f"(theta={rope[0]}, scaling={rope[1]})")
+    except KeyError as e:
+        p.append(str(e.args[0]))
+    return p
+
+
+# ---------------------------------------------------------------- helpers
+
+def _expect(problems: list[str], cfg: Mapping[str, Any], key: str, want: Any, why: str = "") -> None:
+    got = cfg.get(key, "<absent>")
+    if got != want:
+        problems.append(f"config {key}={got!r}, expected {want!r}" + (f" ({why})" if why else ""))
+
+
+def _rename_hint(name: str, expected: Mapping[str, TensorSpec]) -> str:
+    """Point at the expected name a stray one most likely meant: the same tensor under another
+    layer prefix (`model.`, `layers.0.`, `midlayer.`), else the closest spelling."""
+    def core(n: str) -> str:
+        n = n[len("model."):] if n.startswith("model.") else n
+        for prefix in ("midlayers.0.", "layers.0.", "midlayer."):
+            if n.startswith(prefix):
+                return "layer:" + n[len(prefix):]
+        return n
+
+    same = [cand for cand in expected if core(cand) == core(name)]
+    close = same or difflib.get_close_matches(name, list(expected), n=1, cutoff=0.85)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: expected one of {FORMATS}")

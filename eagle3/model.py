@@ -1,0 +1,361 @@
+"""The EAGLE-3 drafter: numerically SGLang's `LlamaForCausalLMEagle3` (one decoder layer).
+
+One draft step (DESIGN.md "Drafter forward"), H = hidden_size:
+    e      = embed_tokens(input_ids)                       [B,T,H]   target's, frozen
+    x      = cat(input_layernorm(e), hidden_norm(hidden))  [B,T,2H]
+    h1     = hidden + o_proj(attn(q/k/v_proj(x)))          residual = the *un-normalised* hidden
+    out    = h1 + mlp(post_attention_layernorm(h1))        [B,T,H]   pre-norm: next step's hidden
+    logits = lm_head(norm(out))                            [B,T,draft_V]
+At step 0 `hidden` is fc(aux) with aux the 3 captured target states [B,T,3*target_H].
+SGLang's fused `post_attention_layernorm(x, residual)` / `norm(x, residual)` compute exactly these
+sums (residual + x, then RMSNorm), returning the pre-norm sum as the next residual.
+
+Parameter names are the SGLang checkpoint names, so `export_state_dict()` (state_dict minus the
+frozen `embed_tokens.weight`) is the exported checkpoint. `d2t` (int64 [draft_V]) holds offsets
+(target_id = draft_id + d2t[draft_id]); `t2d` (bool [V]) marks target ids in the draft vocab.
+
+Positions: the caller passes them. In the TTT unroll, step k at position t uses t + k
+(`eagle3.ttt.ttt_position_ids`), as SpecForge's llama3_eagle does (`position_ids + len(cache)`).
+This is what SGLang does at inference: its draft extend runs the pair (h_t, x_{t+1}) at position t,
+and the k-th draft token of a chain rooted at t sits at t + k (tests/test_model.py checks the TTT
+unroll against a KVCache chain step by step).
+
+The module knows nothing of files, accelerate or wandb (drafter_io.py does the files).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.ttt import KVCache, TTTCache
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's `config.json` (SGLang / SpecForge / AQ-MedAI layout) as a dataclass."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: Optional[list[int]] = None  # eagle_config.eagle_aux_hidden_state_layer_ids
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Any] = None  # int or list of ints, as HF allows
+    pad_token_id: Optional[int] = None
+    torch_dtype: str = "bfloat16"
+    initializer_range: float = 0.02
+    extra: dict = field(default_factory=dict)  # unknown keys of the source config, written back
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rope")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act={self.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+        rope_type = rope_type_of(self.rope_scaling)
+        if rope_type not in _ROPE_TYPES:
+            problems.append(f"rope_scaling type {rope_type!r} is not supported (supported: {_ROPE_TYPES})")
+        if problems:
+            raise ValueError("invalid drafter config: " + "; ".join(problems))
+
+    # Keys that from_hf_dict consumes (everything else goes to `extra`).
+    _KNOWN = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "rope_theta",
+              "rope_scaling", "max_position_embeddings", "hidden_act", "bos_token_id", "eos_token_id",
+              "pad_token_id", "torch_dtype", "dtype", "initializer_range", "rope_parameters", "eagle_config", "architectures",
+              "model_type", "num_hidden_layers", "tie_word_embeddings", "attention_bias", "mlp_bias")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+        """Parse a drafter `config.json` dict; raise ValueError naming what cannot be served."""
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"drafter config lacks {missing}")
+        if int(d.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(f"num_hidden_layers={d['num_hidden_layers']}: only one-layer EAGLE-3 drafters are supported")
+        if d.get("tie_word_embeddings"):
+            raise ValueError("tie_word_embeddings=true: a tied lm_head is not a draft-vocab head; not supported")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{key}=true is not supported (SGLang's drafter has no biases)")
+        archs = d.get("architectures") or [ARCHITECTURE]
+        if ARCHITECTURE not in archs:
+            raise ValueError(f"architectures={archs}: expected {ARCHITECTURE!r}")
+        heads = int(d["num_attention_heads"])
+        theta, scaling = _rope_from_hf(d)
+        eagle = d.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            vocab_size=int(d["vocab_size"]),
+            # SGLang: no draft_vocab_size means the full target vocab.
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
+            aux_layer_ids=None if aux is None else [int(i) for i in aux],
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+            extra={k: v for k, v in d.items() if k not in cls._KNOWN},
+        )
+
+    def to_hf_dict(self) -> dict:
+        """The SGLang-loadable `config.json` dict."""
+        out = dict(self.extra)
+        out.update({
+            "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "hidden_act": self.hidden_act, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "torch_dtype": self.torch_dtype,
+            "initializer_range": self.initializer_range, "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False,
+        })
+        if self.aux_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                                   "use_aux_hidden_state": True}
+        return out
+
+    def replace(self, **changes) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _rope_from_hf(d: dict) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from transformers-4 keys or transformers-5 `rope_parameters`."""
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
+def rope_type_of(rope_scaling: Optional[dict]) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type") or rope_scaling.get("type") or "default")
+
+
+def rope_inv_freq(cfg: DrafterConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (fp32) for the config's rope (default, linear, llama3),
+    with the same formulas as transformers' / SGLang's rope implementations."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    kind, rs = rope_type_of(cfg.rope_scaling), cfg.rope_scaling or {}
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)  # long wavelengths: scaled
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in (at least) fp32, cast back, scale by weight."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DrafterAttention(nn.Module):
+    """Self-attention whose q/k/v read the 2H-wide [embeds_normed, hidden_normed] input."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(2 * H, h * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, hkv * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, H, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B,h,T,d]
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,hkv,T,d]
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        freqs = position_ids.to(torch.float32)[..., None] * rope_inv_freq(c, x.device)  # [B,T,d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B,1,T,d]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = cache.attend(q, k, v)  # [B,h,T,d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """SGLang's `midlayer` (the EAGLE-3 LlamaDecoderLayer)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, embeds, hidden, position_ids, cache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B,T,2H]
+        h1 = hidden + self.self_attn(x, position_ids, cache)
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+
+class Eagle3Drafter(nn.Module):
+    """The drafter. Build on `device="meta"` (via torch.device context) for shape checks."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen, never exported
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DrafterLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Default mapping: draft id i <-> target id i (offsets 0); set_vocab_mapping replaces it.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Llama's init: linear weights ~ N(0, initializer_range), norms = 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    # --- the step API (training unroll and inference) -------------------------------------
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B,T,3*target_H] (the captured states, concatenated) -> step-0 hidden [B,T,H]."""
+        if aux.shape[-1] != self.fc.in_features:
+            raise ValueError(f"aux width {aux.shape[-1]} != fc input {self.fc.in_features} (3 x target_hidden_size)")
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: Optional[TTTCache | KVCache] = None) -> torch.Tensor:
+        """One draft step. input_ids [B,T], hidden [B,T,H], position_ids [B,T] (at TTT step k: the
+        step-0 positions + k, see ttt.ttt_position_ids) -> pre-norm output [B,T,H] (the next step's
+        hidden). cache=None: plain causal attention over these T positions only."""
+        if cache is None:
+            cache = KVCache()
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        return self.midlayer(embeds, hidden, position_ids, cache)
+
+    forward = step  # so wrappers that hook `forward` (DDP, accelerate) see the draft step
+
+    def logits(self, prenorm_hidden: torch.Tensor) -> torch.Tensor:
+        """[B,T,H] -> draft-vocab logits [B,T,draft_V]."""
+        return self.lm_head(self.norm(prenorm_hidden))
+
+    def draft_ids_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    # --- weights ----------------------------------------------------------------------------
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The checkpoint SGLang loads: every tensor but the frozen target embeddings."""
+        return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def set_embeddings(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embeddings [V, H] in (kept frozen)."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"target embeddings {tuple(weight.shape)} != drafter's "
+                             f"{tuple(self.embed_tokens.weight.shape)} (vocab_size x hidden_size)")
+        self.embed_tokens.weight.copy_(weight)
+
+    @torch.no_grad()
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install d2t offsets [draft_V] and the t2d mask [V], after checking they agree."""
+        problems = vocab_mapping_problems(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        if problems:
+            raise ValueError("bad vocab mapping: " + "; ".join(problems))
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+
+def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> list[str]:
+    """Why (d2t, t2d) is not a valid mapping for these sizes; [] if it is."""
+    out = []
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        out.append(f"d2t has shape {tuple(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)")
+    if tuple(t2d.shape) != (vocab_size,):
+        out.append(f"t2d has shape {tuple(t2d.shape)}, expected [{vocab_size}] (vocab_size)")
+    if out:
+        return out
+    target_ids = d2t.to(torch.int64) + torch.arange(draft_vocab_size, device=d2t.device)
+    if target_ids.min() < 0 or target_ids.max() >= vocab_size:
+        return [f"d2t maps draft ids to target ids outside [0, {vocab_size})"]
+    if target_ids.unique().numel() != draft_vocab_size:
+        out.append("d2t maps two draft ids to the same target id")
+    t2d_b = t2d.to(torch.bool)
+    if int(t2d_b.sum()) != draft_vocab_size:
+        out.append(f"t2d marks {int(t2d_b.sum())} target ids, expected {draft_vocab_size}")
+    elif not bool(t2d_b[target_ids.to(t2d.device)].all()):
+        out.append("t2d does not mark the target ids that d2t maps to")
+    return out

@@ -1,0 +1,478 @@
+"""The hidden-state store: what capture writes and what train / eval read.
+
+Layout of a store directory:
+    manifest.json             header (widths, layer ids, dtype, meta) + the list of FINISHED shards
+    shard-NNNNN.safetensors   sequences packed back to back: aux [N,3H], last [N,H] (bf16 by default),
+                              input_ids int32 [N], loss_mask uint8 [N], target_argmax int32 [N],
+                              offsets int64 [S+1] (sequence s is rows offsets[s]:offsets[s+1])
+
+Crash safety: a shard is serialised in memory, written to a hidden temp name, fsynced and renamed;
+only then is the manifest (atomic) rewritten to list it. So a killed capture leaves at most one
+stray file that is not in the manifest; the writer deletes it on restart and redoes that shard.
+A reader only ever opens shards the manifest lists and checks their size (and sha256 on request).
+
+A store written by several processes is a merged manifest whose shard paths point into
+`part-<rank>/` directories; every sequence carries a global `order` key and the reader sorts by it,
+so a merged store reads exactly like a one-process store over the same sequences.
+
+Imports only torch + safetensors (core code runs on the GPU machine).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+
+STORE_FORMAT = "eagle3-hidden-state-store"
+STORE_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Header keys that must agree between a resumed writer and the store on disk (and between parts).
+HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "shard_tokens", "meta")
+
+
+class StoreError(RuntimeError):
+    """A store that cannot be used: missing, incomplete, corrupt, or mismatched."""
+
+
+class StoreMismatchError(StoreError):
+    """An existing store was written with different settings (target, layers, dtype, ...)."""
+
+
+class NonFiniteHiddenStateError(ValueError):
+    """A sequence whose hidden states contain NaN/inf (after the cast to the store dtype)."""
+
+    def __init__(self, seq_id: str, what: str):
+        super().__init__(f"sequence {seq_id!r}: non-finite values in {what!r} (NaN/inf after casting)")
+        self.seq_id = seq_id
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+              torch.uint8: "U8", torch.int64: "I64"}
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write a safetensors file straight from the (host) tensors' memory, hashing as it goes (no
+    serialised copy of a multi-GB shard in memory): temp name, fsync, rename. -> (bytes, sha256)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = metadata
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in [len(hb).to_bytes(8, "little"), hb] + [
+                    memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors.values() if t.numel()]:
+                f.write(block)
+                h.update(block)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return 8 + len(hb) + offset, h.hexdigest()
+
+
+class _ShardBuffer:
+    """The shard being filled: preallocated host tensors, pinned when CUDA is in use so that
+    device->host copies are asynchronous DMA on a side stream (overlapping the next forward)."""
+
+    def __init__(self, columns: dict[str, tuple[int, torch.dtype]], capacity: int, pinned: bool):
+        self.columns, self.pinned = columns, pinned
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.capacity = self.used = 0
+        self.seqs: list[tuple[str, int, int, int]] = []  # (id, order, length, loss tokens)
+        self.events: list = []  # CUDA events of the copies in flight
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self.sync()
+        new = {k: torch.empty((capacity, w) if w else (capacity,), dtype=dt, pin_memory=self.pinned)
+               for k, (w, dt) in self.columns.items()}
+        for k, t in self.tensors.items():
+            new[k][: self.used].copy_(t[: self.used])
+        self.tensors, self.capacity = new, capacity
+
+    def put(self, values: dict[str, torch.Tensor], streams: dict) -> None:
+        T = values["input_ids"].shape[0]
+        if self.used + T > self.capacity:
+            self._grow(self.used + T)
+        for k, src in values.items():
+            dst = self.tensors[k][self.used: self.used + T]
+            if src.is_cuda and self.pinned:
+                stream = streams.setdefault(src.device, torch.cuda.Stream(src.device))
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)  # keep src's memory from reuse until the copy is done
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self.events.append(ev)
+            else:
+                dst.copy_(src)
+        self.used += T
+
+    def sync(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+        self.events.clear()
+
+    def reset(self) -> None:
+        self.sync()
+        self.used, self.seqs = 0, []
+
+
+def _read_store_manifest(store_dir: Path) -> dict:
+    path = store_dir / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{store_dir}: not a hidden-state store (no {MANIFEST}); run the capture stage first")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: unreadable store manifest ({e})") from e
+    if manifest.get("format") != STORE_FORMAT:
+        raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+    return manifest
+
+
+def _header_diff(a: dict, b: dict) -> list[str]:
+    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in HEADER_KEYS if a.get(k) != b.get(k)]
+
+
+class HiddenStateWriter:
+    """Append sequences; every `shard_tokens` tokens a shard is committed. Re-opening a directory
+    with a store in it resumes: `done_ids` are the sequences already committed (in shards, or
+    recorded as skipped); anything not in the manifest is deleted and must be re-added."""
+
+    def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
+                 aux_layer_ids: list[int], hf_indices: list[int], dtype: str = "bfloat16",
+                 shard_tokens: int = 8192, meta: dict | None = None, background: bool = False):
+        if dtype not in DTYPES:
+            raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.torch_dtype = DTYPES[dtype]
+        self.aux_width = len(aux_layer_ids) * target_hidden_size
+        self.hidden_size = hidden_size
+        header = {"hidden_size": hidden_size, "target_hidden_size": target_hidden_size,
+                  "aux_layer_ids": list(aux_layer_ids), "hf_indices": list(hf_indices), "dtype": dtype,
+                  "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
+        self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
+                         "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
+        if (self.dir / MANIFEST).is_file():
+            old = _read_store_manifest(self.dir)
+            diff = _header_diff(old, header)
+            if diff:
+                raise StoreMismatchError(f"{self.dir}: an existing store was written with other settings; "
+                                         f"refusing to mix ({'; '.join(diff)}). Use a fresh out_dir or delete it.")
+            self.manifest = old
+        self._discard_unlisted_files()
+        self._pending: list[str] = []       # ids of the sequences buffered for the next shard
+        self._pending_skips: list[dict] = []
+        self._pending_tokens = 0
+        self.done_ids: set[str] = {i for s in self.manifest["shards"] for i in s["ids"]}
+        self.done_ids |= {s["id"] for s in self.manifest["skipped"]}
+        self._next_order = max((o for s in self.manifest["shards"] for o in s["order"]), default=-1) + 1
+        # background=True: shards are concatenated, hashed and written by one worker thread while
+        # the caller computes the next batch (at most one shard in flight, so memory stays bounded).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") if background else None
+        self._inflight: Future | None = None
+        self._columns = {"aux": (self.aux_width, self.torch_dtype), "last": (hidden_size, self.torch_dtype),
+                         "input_ids": (0, torch.int32), "loss_mask": (0, torch.uint8), "target_argmax": (0, torch.int32)}
+        self._buffers: list[_ShardBuffer] = []  # allocated at the first add (two: fill one, write the other)
+        self._buf: _ShardBuffer | None = None
+        self._last_written: _ShardBuffer | None = None
+        self._streams: dict = {}
+
+    def _discard_unlisted_files(self) -> None:
+        """Temp files and shards renamed but never listed (killed between rename and manifest)."""
+        listed = {s["file"] for s in self.manifest["shards"]}
+        for p in self.dir.iterdir():
+            if p.is_file() and ((p.name.startswith(".shard-") and p.name.endswith(".tmp"))
+                                or (p.name.startswith("shard-") and p.name not in listed)):
+                p.unlink()
+
+    def add(self, seq_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
+            last: torch.Tensor, target_argmax: torch.Tensor, *, order: int | None = None,
+            check_finite: bool = True) -> None:
+        """Buffer one sequence (T tokens). `order` is its global position (multi-process capture);
+        by default sequences are ordered as added. Raises NonFiniteHiddenStateError (nothing is
+        buffered) when aux/last hold NaN/inf after the cast to the store dtype; a caller that checked
+        that already (on the GPU, where it is cheap) passes check_finite=False."""
+        seq_id = str(seq_id)
+        if seq_id in self.done_ids or seq_id in self._pending:
+            raise StoreError(f"{self.dir}: sequence {seq_id!r} added twice")
+        T = int(input_ids.shape[0])
+        expect = {"input_ids": (T,), "loss_mask": (T,), "aux": (T, self.aux_width),
+                  "last": (T, self.hidden_size), "target_argmax": (T,)}
+        got = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": aux, "last": last, "target_argmax": target_argmax}
+        for name, shape in expect.items():
+            if tuple(got[name].shape) != shape:
+                raise StoreError(f"sequence {seq_id!r}: {name} has shape {tuple(got[name].shape)}, expected {shape}")
+        if T == 0:
+            raise StoreError(f"sequence {seq_id!r}: empty sequence")
+        aux, last = aux.detach().to(self.torch_dtype), last.detach().to(self.torch_dtype)
+        for name, t in (("aux", aux), ("last", last)) if check_finite else ():
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteHiddenStateError(seq_id, name)
+        # A shard holds at most shard_tokens tokens (unless one sequence alone is longer).
+        if self._pending_tokens and self._pending_tokens + T > self.manifest["shard_tokens"]:
+            self._flush()
+        if self._buf is None:
+            self._buf = self._take_buffer(aux.is_cuda)
+        order = self._next_order if order is None else int(order)
+        mask = loss_mask.detach().to("cpu", torch.uint8)
+        self._buf.put({"aux": aux, "last": last, "input_ids": input_ids.detach().to("cpu", torch.int32),
+                       "loss_mask": mask, "target_argmax": target_argmax.detach().to("cpu", torch.int32)}, self._streams)
+        self._buf.seqs.append((seq_id, order, T, int(mask.sum())))
+        self._pending.append(seq_id)
+        self._next_order = max(self._next_order, order) + 1
+        self._pending_tokens += T
+
+    def _take_buffer(self, cuda: bool) -> _ShardBuffer:
+        """A free shard buffer: a new one while there are fewer than two, else the one not in flight."""
+        if len(self._buffers) < 2:
+            self._buffers.append(_ShardBuffer(self._columns, self.manifest["shard_tokens"],
+                                              pinned=cuda and torch.cuda.is_available()))
+            return self._buffers[-1]
+        self._wait()
+        buf = self._buffers[0] if self._buffers[1] is self._last_written else self._buffers[1]
+        buf.reset()
+        return buf
+
+    def skip(self, seq_id: str, reason: str) -> None:
+        """Record a sequence that will not be stored (committed with the next shard, so a resumed
+        run treats it as done exactly when it would treat its neighbours as done)."""
+        self._pending_skips.append({"id": str(seq_id), "reason": reason})
+
+    def _flush(self) -> None:
+        if not self._pending and not self._pending_skips:
+            return
+        job = (self._buf if self._pending else None, self._pending_skips)
+        self.done_ids.update(self._pending)
+        self.done_ids.update(s["id"] for s in self._pending_skips)
+        self._pending, self._pending_skips, self._pending_tokens = [], [], 0
+        if job[0] is not None:
+            self._last_written, self._buf = job[0], None
+        if self._worker is None:
+            self._commit(*job)
+        else:
+            self._wait()
+            self._inflight = self._worker.submit(self._commit, *job)
+
+    def _wait(self) -> None:
+        """Wait for the shard in flight; its exception (disk full, ...) surfaces here."""
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
+
+    def _commit(self, buf: _ShardBuffer | None, skips: list[dict]) -> None:
+        """Write one shard (temp name, fsync, rename), then the manifest that lists it."""
+        shards = self.manifest["shards"]
+        self.manifest["complete"] = False
+        if buf is not None:
+            buf.sync()  # device->host copies done
+            ids = [q[0] for q in buf.seqs]
+            lengths = [q[2] for q in buf.seqs]
+            offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+            tensors = {k: t[: buf.used] for k, t in buf.tensors.items()}
+            tensors["offsets"] = offsets
+            name = f"shard-{len(shards):05d}.safetensors"
+            nbytes, sha = _write_shard(self.dir / name, tensors, {"ids": json.dumps(ids)})
+            shards.append({"file": name, "bytes": nbytes, "sha256": sha, "num_tokens": buf.used,
+                           "loss_tokens": sum(q[3] for q in buf.seqs), "ids": ids, "lengths": lengths,
+                           "order": [q[1] for q in buf.seqs]})
+        self.manifest["skipped"].extend(skips)
+        self.manifest["num_sequences"] = sum(len(s["ids"]) for s in shards)
+        self.manifest["num_tokens"] = sum(s["num_tokens"] for s in shards)
+        self.manifest["num_loss_tokens"] = sum(s["loss_tokens"] for s in shards)
+        _write_json(self.dir / MANIFEST, self.manifest)
+
+    def finish(self, **extra: Any) -> dict:
+        """Commit the last partial shard and mark the store complete; `extra` fields (counts,
+        reports) go into the manifest. Returns the manifest."""
+        self._flush()
+        self._wait()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        self.manifest.update(json.loads(json.dumps(extra)))
+        self.manifest["complete"] = True
+        _write_json(self.dir / MANIFEST, self.manifest)
+        return self.manifest
+
+
+def merge_stores(out_dir: str | Path, part_dirs: Iterable[str | Path], **extra: Any) -> dict:
+    """Write `out_dir/manifest.json` listing the shards of complete part stores (which must lie
+    under out_dir and share one header). The shards stay where they are."""
+    out_dir = Path(out_dir)
+    parts = [Path(p) for p in part_dirs]
+    merged: dict | None = None
+    seen: dict[str, Path] = {}
+    for part in parts:
+        m = _read_store_manifest(part)
+        if not m.get("complete"):
+            raise StoreError(f"{part}: part store is not complete; its capture process did not finish")
+        rel = part.resolve().relative_to(out_dir.resolve())
+        if merged is None:
+            merged = {**m, "shards": [], "skipped": [], "parts": []}
+        elif diff := _header_diff(merged, m):
+            raise StoreMismatchError(f"{part}: part written with other settings than {parts[0]} ({'; '.join(diff)})")
+        for s in m["shards"]:
+            for i in s["ids"]:
+                if i in seen:
+                    raise StoreError(f"sequence {i!r} is in both {seen[i]} and {part}")
+                seen[i] = part
+            merged["shards"].append({**s, "file": f"{rel.as_posix()}/{s['file']}"})
+        merged["skipped"].extend(m["skipped"])
+        merged["parts"].append(rel.as_posix())
+    if merged is None:
+        raise StoreError(f"{out_dir}: no part stores to merge")
+    merged["num_sequences"] = sum(len(s["ids"]) for s in merged["shards"])
+    merged["num_tokens"] = sum(s["num_tokens"] for s in merged["shards"])
+    merged["num_loss_tokens"] = sum(s["loss_tokens"] for s in merged["shards"])
+    merged.update(json.loads(json.dumps(extra)))
+    merged["complete"] = True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / MANIFEST, merged)
+    return merged
+
+
+class HiddenStateStore:
+    """Random access to a store's sequences: `store[i]` is a dict of CPU tensors
+    {"id", "input_ids" Long[T], "loss_mask" Bool[T], "aux" [T,3H], "last" [T,H], "target_argmax" Long[T]}.
+    Shards are memory-mapped via safetensors `safe_open`; the most recently used one stays open.
+
+    verify="size" checks every listed shard's size at open; "sha256" also hashes each shard the first
+    time it is read; "none" skips both. An incomplete store (capture still running or killed) is an
+    error unless allow_incomplete=True."""
+
+    def __init__(self, store_dir: str | Path, verify: str = "size", allow_incomplete: bool = False):
+        if verify not in ("size", "sha256", "none"):
+            raise ValueError(f"verify={verify!r}: expected 'size', 'sha256' or 'none'")
+        self.dir = Path(store_dir)
+        self.manifest = _read_store_manifest(self.dir)
+        if not self.manifest.get("complete") and not allow_incomplete:
+            raise StoreError(f"{self.dir}: store is incomplete ({len(self.manifest['shards'])} shards so far); "
+                             f"rerun the capture stage to finish it")
+        self.verify = verify
+        self._shards = self.manifest["shards"]
+        if verify != "none":
+            for s in self._shards:
+                path = self.dir / s["file"]
+                if not path.is_file():
+                    raise StoreError(f"{path}: shard listed in the manifest is missing")
+                size = path.stat().st_size
+                if size != s["bytes"]:
+                    raise StoreError(f"{path}: shard is {size} bytes, manifest says {s['bytes']} (truncated or corrupt)")
+        # Global order: (order key, shard, position in shard), sorted by the order key.
+        index = [(o, si, j) for si, s in enumerate(self._shards) for j, o in enumerate(s["order"])]
+        index.sort()
+        self._index = [(si, j) for _, si, j in index]
+        self.ids: list[str] = [self._shards[si]["ids"][j] for si, j in self._index]
+        self.lengths: list[int] = [self._shards[si]["lengths"][j] for si, j in self._index]
+        self._starts = {}  # shard -> local start offsets (from the manifest lengths)
+        for si, s in enumerate(self._shards):
+            starts = [0]
+            for n in s["lengths"]:
+                starts.append(starts[-1] + n)
+            self._starts[si] = starts
+        self._verified: set[int] = set()
+        self._open_idx: int | None = None
+        self._open = None
+
+    hidden_size = property(lambda self: self.manifest["hidden_size"])
+    target_hidden_size = property(lambda self: self.manifest["target_hidden_size"])
+    aux_layer_ids = property(lambda self: list(self.manifest["aux_layer_ids"]))
+    hf_indices = property(lambda self: list(self.manifest["hf_indices"]))
+    dtype = property(lambda self: self.manifest["dtype"])
+    meta = property(lambda self: self.manifest["meta"])
+    num_tokens = property(lambda self: int(self.manifest["num_tokens"]))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _shard(self, si: int):
+        if self._open_idx == si:
+            return self._open
+        path = self.dir / self._shards[si]["file"]
+        if self.verify == "sha256" and si not in self._verified:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+            if h.hexdigest() != self._shards[si]["sha256"]:
+                raise StoreError(f"{path}: sha256 mismatch with the manifest (corrupt shard); rerun capture")
+            self._verified.add(si)
+        try:
+            handle = safe_open(str(path), framework="pt")
+            offsets = handle.get_tensor("offsets").tolist()
+        except Exception as e:
+            raise StoreError(f"{path}: unreadable shard ({e}); rerun capture") from e
+        if offsets != self._starts[si]:
+            raise StoreError(f"{path}: offsets disagree with the manifest's sequence lengths (corrupt shard)")
+        self._open_idx, self._open = si, handle
+        return handle
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence index {i} out of range for a store of {len(self)}")
+        si, j = self._index[i]
+        a, b = self._starts[si][j], self._starts[si][j + 1]
+        h = self._shard(si)
+        try:
+            return {
+                "id": self._shards[si]["ids"][j],
+                "input_ids": h.get_slice("input_ids")[a:b].long(),
+                "loss_mask": h.get_slice("loss_mask")[a:b].bool(),
+                "aux": h.get_slice("aux")[a:b],
+                "last": h.get_slice("last")[a:b],
+                "target_argmax": h.get_slice("target_argmax")[a:b].long(),
+            }
+        except Exception as e:
+            raise StoreError(f"{self.dir / self._shards[si]['file']}: cannot read sequence "
+                             f"{self._shards[si]['ids'][j]!r} ({e}); corrupt shard, rerun capture") from e
+
+    def verify_all(self) -> None:
+        """Hash every shard against the manifest (raises StoreError naming the first bad one)."""
+        saved, self.verify = self.verify, "sha256"
+        try:
+            for si in range(len(self._shards)):
+                self._shard(si)
+        finally:
+            self.verify = saved

@@ -1,0 +1,134 @@
+"""The training-time-test (TTT) unroll of one batch through the drafter.
+
+Indexing (ARCHITECTURE.md, "TTT indexing"): at step k and position t the drafter reads the hidden
+h_t (fc(aux_t) at k=0, its own pre-norm output of step k-1 at t otherwise) and the embedding of
+x_{t+k+1}, at sequence position t+k (`eagle3.ttt.ttt_position_ids`); it predicts x_{t+k+2} against
+the teacher softmax(lm_head_target(last_{t+k+1})[draft vocab]) on positions
+`loss_mask[t+k+2] & t2d[argmax_{t+k+1}]`. The attention pattern (step-0 keys causal + own-position
+keys of steps 1..k) lives in `eagle3.ttt.TTTCache`. Gradients flow through the hidden states
+from step to step, as in EAGLE-3 / SpecForge.
+
+Loss normalisation (see eagle3/loss.py's docstring): L = sum_k 0.8^k * S_k / N_k with S_k the
+summed soft CE of step k and N_k its number of valid positions. By default N_k counts this batch;
+a training loop that accumulates gradients over several micro-batches (and ranks) passes the
+counts of the whole optimizer step as `step_denominators`, so the gradient is the same however
+the tokens are split into micro-batches or ranks.
+
+Imports only torch (core code).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from eagle3.loss import (draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
+                         teacher_logits)
+from eagle3.ttt import TTTCache, ttt_position_ids
+
+
+@dataclass
+class UnrollOutput:
+    loss: torch.Tensor          # fp32 scalar, differentiable: sum_k w_k * loss_sum[k] / denominators[k]
+    loss_sum: torch.Tensor      # fp32 [K] summed soft CE per step (detached)
+    correct: torch.Tensor       # fp32 [K] positions where the draft argmax (via d2t) == target argmax
+    count: torch.Tensor         # fp32 [K] valid positions per step
+
+    @property
+    def step_loss(self) -> torch.Tensor:
+        """Mean soft CE per step over this batch's valid positions, fp32 [K] (0 where none)."""
+        return self.loss_sum / self.count.clamp(min=1)
+
+    @property
+    def step_acc(self) -> torch.Tensor:
+        """Top-1 accuracy per step over this batch's valid positions, fp32 [K]."""
+        return self.correct / self.count.clamp(min=1)
+
+
+def step_position_counts(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor,
+                         ttt_length: int) -> torch.Tensor:
+    """Valid loss positions of each TTT step, fp32 [K] (cheap: no model). Used by the loop to
+    normalise over a whole optimizer step before running the micro-batches."""
+    return torch.stack([loss_positions(loss_mask, target_argmax, t2d, k).sum() for k in range(ttt_length)]
+                       ).to(torch.float32)
+
+
+def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
+               target_argmax: torch.Tensor, loss_mask: torch.Tensor, lm_head_rows: torch.Tensor,
+               ttt_length: int = 7, *, step_decay: float = 0.8,
+               attention_mask: Optional[torch.Tensor] = None,
+               position_ids: Optional[torch.Tensor] = None,
+               step_denominators: Optional[torch.Tensor] = None) -> UnrollOutput:
+    """Unroll the drafter `ttt_length` steps over a batch and return the weighted soft-CE loss.
+
+    model: an Eagle3Drafter (project_aux / step / logits, buffers d2t [draft_V] and t2d [V]).
+    aux [B,T,3Ht] (store dtype), input_ids Long [B,T], last [B,T,H] target post-norm states,
+    target_argmax Long [B,T], loss_mask Bool [B,T] (False on padding), lm_head_rows [draft_V, H]
+    (target lm_head rows of the draft vocab). Batches are right-padded: causality alone keeps real
+    queries off padded keys, so `attention_mask` [B,T] is only needed for left padding.
+    position_ids Long [B,T]: step-0 positions (default arange(T)).
+    step_denominators fp32 [K]: N_k to divide each step's sum by (default: this batch's counts).
+    """
+    B, T = input_ids.shape
+    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
+            or loss_mask.shape != (B, T):
+        raise ValueError(f"ttt_unroll: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
+                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
+                         f"loss_mask {tuple(loss_mask.shape)}")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
+    device = input_ids.device
+    d2t, t2d = model.d2t, model.t2d
+    if position_ids is None:
+        position_ids = torch.arange(T, device=device).expand(B, T)
+    weights = step_weights(ttt_length, step_decay).to(device)
+
+    with torch.no_grad():
+        # Teacher of drafter position t at step k sits at t+k+1: computed once, sliced per step.
+        teacher = teacher_logits(last, lm_head_rows)  # fp32 [B, T, draft_V]
+        masks = [loss_positions(loss_mask, target_argmax, t2d, k) for k in range(ttt_length)]
+
+    hidden = model.project_aux(aux)  # [B, T, H]; casts the store dtype to fc's
+    cache = TTTCache(attention_mask)
+    sums, corrects, counts = [], [], []
+    for k in range(ttt_length):
+        step_ids = shift_left(input_ids, k + 1, 0)                               # x_{t+k+1} at t
+        prenorm = model.step(step_ids, hidden, ttt_position_ids(position_ids, k), cache)  # [B, T, H]
+        n = T - (k + 1)  # drafter positions whose teacher index t+k+1 is inside the sequence
+        if n > 0:
+            logits = model.logits(prenorm[:, :n])                             # [B, n, draft_V]
+            s, c = soft_cross_entropy(logits, teacher[:, k + 1:], masks[k][:, :n])
+            with torch.no_grad():
+                ok, _ = draft_accuracy(logits.detach(), d2t, target_argmax[:, k + 1:], masks[k][:, :n])
+        else:  # sequence shorter than the step: nothing to predict, keep the graph connected
+            s = prenorm.sum() * 0.0
+            c = ok = torch.zeros((), device=device)
+        sums.append(s)
+        corrects.append(ok)
+        counts.append(c)
+        hidden = prenorm
+    loss_sum = torch.stack(sums)                       # [K], differentiable
+    count = torch.stack(counts).to(torch.float32)
+    denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
+    loss = (weights * loss_sum / denom.clamp(min=1)).sum()
+    return UnrollOutput(loss=loss, loss_sum=loss_sum.detach(), correct=torch.stack(corrects).float(), count=count)
+
+
+class TTTObjective(nn.Module):
+    """The drafter plus its TTT objective as one module, so DDP / FSDP wrappers see a single
+    `forward` (they only sync/unshard around `forward`, not around `project_aux`/`step`).
+    Holds no state of its own; `lm_head_rows` is passed in (frozen teacher rows, not trained)."""
+
+    def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_length = ttt_length
+        self.step_decay = step_decay
+
+    def forward(self, batch: dict, lm_head_rows: torch.Tensor,
+                step_denominators: Optional[torch.Tensor] = None) -> UnrollOutput:
+        return ttt_unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
+                          batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
+                          attention_mask=batch.get("attention_mask"), step_denominators=step_denominators)

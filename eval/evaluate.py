@@ -1,0 +1,184 @@
+"""Evaluate a drafter on a validation hidden-state store: a plain function (model + store in,
+a JSON-friendly dict out) that `eval/run.py` and training's periodic validation both call.
+
+  * teacher-forced accuracy per TTT step, as training measures it (ARCHITECTURE.md "TTT
+    indexing": same positions `loss_mask[t+k+2] & t2d[argmax_{t+k+1}]`, same d2t mapping), plus
+    the conditional accuracy P(step k right | steps < k right at the same position), which is
+    what a draft chain needs;
+  * the simulated accept length (eagle3/accept_sim.py) for each SGLang knob setting, with the real
+    drafter (eval/drafter_session.py) and with n-gram prompt lookup on the same sequences.
+
+Imports only torch and eagle3 core modules (runs on the GPU machine without hydra/wandb).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.loss import loss_positions, shift_left
+from eagle3.ngram import ngram_tree
+from eagle3.ttt import TTTCache, ttt_position_ids
+from eval.drafter_session import SequenceDrafter
+
+DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
+MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    max_ngram: int = 3
+    min_ngram: int = 1
+    prefer: str = "recent"
+
+
+class EvalInputError(ValueError):
+    """Drafter and store that cannot be evaluated together (the message says what differs)."""
+
+
+def drafter_store_problems(model, store) -> list[str]:
+    """Why this drafter cannot be scored on this store; [] if it can."""
+    cfg, out = model.config, []
+    aux_width = len(store.aux_layer_ids) * int(store.manifest.get("target_hidden_size", store.hidden_size))
+    if model.fc.in_features != aux_width:
+        out.append(f"drafter fc reads {model.fc.in_features} features, the store's aux states are {aux_width} wide "
+                   f"({len(store.aux_layer_ids)} layers x target hidden)")
+    if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != list(store.aux_layer_ids):
+        out.append(f"drafter eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)} != the store's "
+                   f"aux_layer_ids {list(store.aux_layer_ids)}: SGLang would feed it other layers than it sees here")
+    meta = store.manifest.get("meta") or {}
+    vocab = meta.get("vocab_size") or meta.get("target_vocab_size")
+    if vocab is not None and int(vocab) != cfg.vocab_size:
+        out.append(f"drafter vocab_size {cfg.vocab_size} != the store target's vocab size {vocab}")
+    return out
+
+
+def _sequences(store, max_sequences: Optional[int]) -> range:
+    n = len(store) if max_sequences is None else min(len(store), max_sequences)
+    return range(n)
+
+
+def _progress(it: Iterable, desc: str, total: int, enabled: bool):
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, desc=desc, total=total, unit="seq", leave=False)
+
+
+@torch.no_grad()
+def teacher_forced_correct(model, aux: torch.Tensor, input_ids: torch.Tensor, target_argmax: torch.Tensor,
+                           loss_mask: torch.Tensor, ttt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TTT unroll of one sequence, forward only. Returns (correct, valid), Bool [K, T]:
+    at step k, drafter position t predicts x_{t+k+2}; valid as in training's loss positions."""
+    dev = model.fc.weight.device
+    T = input_ids.numel()
+    ids = input_ids.long().to(dev)[None]
+    argmax = target_argmax.long().to(dev)[None]
+    mask = loss_mask.bool().to(dev)[None]
+    pos = torch.arange(T, device=dev)[None]
+    hidden = model.project_aux(aux.to(dev)[None])
+    cache = TTTCache()
+    correct = torch.zeros(ttt_length, T, dtype=torch.bool, device=dev)
+    valid = torch.zeros_like(correct)
+    for k in range(ttt_length):
+        prenorm = model.step(shift_left(ids, k + 1, 0), hidden, ttt_position_ids(pos, k), cache)  # [1, T, H]
+        n = T - (k + 1)
+        if n > 0:
+            top = model.logits(prenorm[:, :n]).argmax(-1)
+            as_target = model.draft_ids_to_target(top)                           # [1, n]
+            v = loss_positions(mask, argmax, model.t2d, k)[:, :n]
+            valid[k, :n] = v[0]
+            correct[k, :n] = (v & (as_target == argmax[:, k + 1:]))[0]
+        hidden = prenorm
+    return correct.cpu(), valid.cpu()
+
+
+def teacher_forced_accuracy(model, store, ttt_length: int = 7, max_sequences: Optional[int] = None,
+                            progress: bool = True) -> dict:
+    """Accuracy per TTT step and conditional accuracy over the store's sequences."""
+    K = ttt_length
+    right, count = torch.zeros(K), torch.zeros(K)
+    chain_right, chain_base = torch.zeros(K), torch.zeros(K)
+    idx = _sequences(store, max_sequences)
+    for i in _progress(idx, "accuracy", len(idx), progress):
+        s = store[i]
+        if s["input_ids"].numel() < 2:
+            continue
+        c, v = teacher_forced_correct(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)
+        right += c.sum(1).float()
+        count += v.sum(1).float()
+        chain = torch.cumprod(c.int(), dim=0).bool()                              # all steps <= k right
+        chain_right += chain.sum(1).float()
+        prev = torch.cat([torch.ones(1, c.shape[1], dtype=torch.bool), chain[:-1]])  # all steps < k right
+        chain_base += (prev & v).sum(1).float()
+    acc = (right / count.clamp(min=1)).tolist()
+    cond = (chain_right / chain_base.clamp(min=1)).tolist()
+    return {"ttt_length": K, "step_accuracy": acc, "conditional_accuracy": cond,
+            "positions": count.long().tolist(), "chain_positions": chain_base.long().tolist()}
+
+
+def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS,
+                           max_sequences: Optional[int] = None, ngram: NgramSettings = NgramSettings(),
+                           progress: bool = True) -> dict[str, dict[str, AcceptStats]]:
+    """Replay every knob setting over the store with the drafter (`model`; None: n-gram only) and with
+    n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens). -> {label: {name: stats}}."""
+    out = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)} for k in knobs}
+    max_topk = max(k.topk for k in knobs)
+    idx = _sequences(store, max_sequences)
+    for i in _progress(idx, "accept-length replay", len(idx), progress):
+        s = store[i]
+        ids, mask, argmax = s["input_ids"].long(), s["loss_mask"].bool(), s["target_argmax"].long()
+        if ids.numel() < 2:
+            continue
+        seq = SequenceDrafter(model, s["aux"], ids, max_topk) if model is not None else None
+        for k in knobs:
+            res = out[k.label]
+            if seq is not None:
+                res["drafter"] += replay_sequence(ids, mask, argmax, lambda q: build_sglang_tree(seq.at(q), k),
+                                                  k.max_depth)
+            nd = k.num_draft_tokens - 1
+            res["ngram"] += replay_sequence(
+                ids, mask, argmax, lambda q: ngram_tree(ids[: q + 1], nd, ngram.max_ngram, ngram.min_ngram, ngram.prefer),
+                nd)
+    return out
+
+
+def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS, ttt_length: int = 7,
+                     max_sequences: Optional[int] = None, ngram: NgramSettings = NgramSettings(),
+                     accuracy: bool = True, progress: bool = True) -> dict:
+    """The drafter's offline evaluation on `store` (a HiddenStateStore, validation split).
+    Raises EvalInputError for an empty store or a drafter that does not fit the store."""
+    if len(store) == 0:
+        raise EvalInputError(f"{getattr(store, 'dir', 'store')}: the validation store holds no sequences "
+                             f"(empty split?); nothing to evaluate")
+    problems = drafter_store_problems(model, store)
+    if problems:
+        raise EvalInputError("drafter and validation store do not fit:\n  - " + "\n  - ".join(problems))
+    was_training = model.training
+    model.eval()
+    try:
+        report: dict = {"sequences": len(_sequences(store, max_sequences)), "warnings": []}
+        if accuracy:
+            report["accuracy"] = teacher_forced_accuracy(model, store, ttt_length, max_sequences, progress)
+        sims = simulate_accept_length(model, store, knobs, max_sequences, ngram, progress)
+    finally:
+        model.train(was_training)
+    report["accept"] = {label: {"knobs": {"num_steps": k.num_steps, "topk": k.topk,
+                                          "num_draft_tokens": k.num_draft_tokens},
+                                **{name: st.to_dict() for name, st in sims[label].items()}}
+                        for label, k in ((k.label, k) for k in knobs)}
+    first = next(iter(sims.values()))["drafter"]
+    rate = first.mismatches / first.assistant_positions if first.assistant_positions else 0.0
+    report["mismatch_rate"] = rate
+    if rate > MISMATCH_WARN:
+        report["warnings"].append(
+            f"{100 * rate:.1f}% of assistant positions are not the target's greedy choice (input_ids[t+1] != "
+            f"target_argmax[t]): the sequences were not generated greedily by this target (regenerate them in "
+            f"the prepare stage). The replay only scores greedy-consistent stretches and restarts after each "
+            f"mismatch, so its accept length is a lower-bound-like estimate on shortened generations.")
+    if first.cycles == 0:
+        report["warnings"].append("no verify cycle could be replayed: no assistant span of 2+ greedy tokens")
+    return report

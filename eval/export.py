@@ -1,0 +1,363 @@
+"""The export stage: a trained drafter checkpoint -> a directory SGLang serves (and a vLLM speculators one).
+
+The export is where the project guarantees that the served drafter is the trained one:
+1. the serving-critical config fields come from their sources, not from whatever the init drafter
+   shipped: layer ids from the capture the drafter was trained on, vocab and context length from the
+   target, rope settings from the checkpoint (training);
+2. the compatibility check against the target must pass;
+3. everything is written to a temporary directory, validated *from disk* (every tensor name, shape
+   and dtype, no stray name, d2t/t2d consistent, config fields), loaded back with the project's
+   loader and compared logit for logit with the checkpoint on stored validation data; only then is
+   it renamed into place. Any failure stops the export with every problem listed, and leaves no
+   partial directory.
+
+Layout of `out_dir`: the SGLang directory itself (`config.json`, `model.safetensors`), `speculators/`
+(the vLLM speculators directory), `SERVE.md`, `manifest.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from eagle3 import export_spec as spec
+from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
+from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
+from eval.export_roundtrip import RoundTripReference, validation_batches
+from eval.export_serve import (read_serve_choice, serve_markdown, sglang_command, tensor_parallel,
+                               vllm_command)
+
+SPECULATORS_SUBDIR = "speculators"
+STAGE = "export"
+
+
+class ExportError(RuntimeError):
+    """The export cannot produce a directory that serves the trained drafter; lists every problem."""
+
+    def __init__(self, what: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{what}:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass
+class Sources:
+    """Everything the export reads, resolved once: the checkpoint's config, the target's facts,
+    the capture's layer ids."""
+    drafter_cfg: dict             # the checkpoint's config.json (SGLang layout)
+    target_text_cfg: dict
+    target_architectures: list[str]
+    aux_layer_ids: list[int]      # SGLang eagle_config ids the states were captured with
+    hf_indices: list[int]         # = ids + 1 (HF output_hidden_states indices; vLLM's ids)
+    store_dir: Path               # the capture split used for the round trip
+    context_length: int           # max_position_embeddings the export writes
+
+
+def formats_of(fmt: str) -> list[str]:
+    return list(spec.FORMATS) if fmt == "both" else [fmt]
+
+
+def format_dir(out_dir: Path, fmt: str) -> Path:
+    return out_dir if fmt == "sglang" else out_dir / SPECULATORS_SUBDIR
+
+
+def gather_sources(config) -> Sources:
+    """Read checkpoint config, target config and capture manifest; raise ExportError listing every
+    inconsistency between them (ids, widths, vocab, context length, the train manifest's capture)."""
+    from eagle3.drafter_io import DrafterLoadError, inspect_drafter_dir
+    from eagle3.store import HiddenStateStore, StoreError
+    from eagle3.target_io import TargetError, read_full_config, read_text_config
+
+    problems: list[str] = []
+    ckpt = Path(config.checkpoint_dir)
+    try:
+        # strict names and shapes of the checkpoint, headers only (the weights are read later)
+        _, _, _, problems = inspect_drafter_dir(ckpt)
+        problems = [f"checkpoint: {p}" for p in problems]
+        drafter_cfg = json.loads((ckpt / "config.json").read_text())
+    except (DrafterLoadError, OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"checkpoint {ckpt} cannot be exported", [str(e)]) from e
+    except Exception as e:  # safetensors' own error type: a truncated or corrupt header
+        raise ExportError(f"checkpoint {ckpt} cannot be exported",
+                          [f"{ckpt}: a weight file is unreadable ({e}); truncated or corrupt, retrain or "
+                           f"export another checkpoint"]) from e
+    try:
+        text = read_text_config(config.target.path, config.target.layout)
+        archs = list(read_full_config(config.target.path).get("architectures") or [])
+    except TargetError as e:
+        raise ExportError(f"target {config.target.path} cannot be read", [str(e)]) from e
+    cap = Path(config.capture_dir)
+    store_dir = next((cap / s for s in ("validation", "train") if (cap / s / "manifest.json").is_file()), None)
+    if store_dir is None:
+        raise ExportError("no capture to take the layer ids from",
+                          [f"{cap}: neither validation/ nor train/ holds a hidden-state store; run the capture "
+                           f"stage (the export writes the layer ids the drafter was trained on)"])
+    try:
+        store = HiddenStateStore(store_dir, verify="size")
+    except StoreError as e:
+        raise ExportError(f"capture {store_dir} cannot be read", [str(e)]) from e
+    ids, hf = store.aux_layer_ids, store.hf_indices
+    if hf != [i + 1 for i in ids]:
+        problems.append(f"{store_dir}: manifest hf_indices {hf} are not aux_layer_ids {ids} + 1")
+    trained_ids = (drafter_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if trained_ids is not None and [int(i) for i in trained_ids] != ids:
+        problems.append(f"checkpoint config says eagle_aux_hidden_state_layer_ids={trained_ids} but the capture "
+                        f"{store_dir} holds layers {ids}: this checkpoint was not trained on this capture")
+    problems += _store_width_problems(drafter_cfg, text, store, store_dir)
+    problems += _train_manifest_problems(ckpt, cap)
+    problems += _checksum_problems(ckpt)
+    context = int(config.max_position_embeddings or text["max_position_embeddings"])
+    if context < int(text["max_position_embeddings"]):
+        problems.append(f"max_position_embeddings={context} is below the target's context length "
+                        f"{text['max_position_embeddings']}: SGLang would refuse or truncate long requests")
+    if problems:
+        raise ExportError(f"cannot export {ckpt}", problems)
+    return Sources(drafter_cfg, text, archs, ids, hf, store_dir, context)
+
+
+def _store_width_problems(drafter_cfg: dict, text: dict, store, store_dir: Path) -> list[str]:
+    out = []
+    ht = int(drafter_cfg.get("target_hidden_size") or drafter_cfg["hidden_size"])
+    if store.target_hidden_size != ht:
+        out.append(f"capture {store_dir} holds states of width {store.target_hidden_size}, the drafter's fc "
+                   f"expects target_hidden_size={ht}")
+    if store.target_hidden_size != int(text["hidden_size"]):
+        out.append(f"capture {store_dir} width {store.target_hidden_size} != target hidden_size {text['hidden_size']}: "
+                   f"captured from another target")
+    if int(drafter_cfg["vocab_size"]) != int(text["vocab_size"]):
+        out.append(f"checkpoint vocab_size={drafter_cfg['vocab_size']} != target vocab_size={text['vocab_size']}")
+    return out
+
+
+def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
+    """When the checkpoint sits in a train stage directory, its manifest names the capture it was trained
+    on: exporting with another capture (or one re-captured since) would write the wrong layer ids."""
+    manifest_path = ckpt.parent / "manifest.json"
+    if not manifest_path.is_file():
+        return []
+    try:
+        inputs = json.loads(manifest_path.read_text()).get("inputs") or {}
+    except json.JSONDecodeError:
+        return [f"{manifest_path}: unreadable train manifest"]
+    from eagle3.manifest import fingerprint
+
+    out = []
+    for role, entry in inputs.items():
+        if "capture" not in role or not isinstance(entry, dict):
+            continue
+        if Path(entry.get("path", "")).resolve() != capture_dir.resolve():
+            out.append(f"the checkpoint was trained on capture {entry.get('path')} ({manifest_path}), "
+                       f"not on capture_dir={capture_dir}")
+        elif (capture_dir / "manifest.json").is_file() and entry.get("fingerprint") != fingerprint(capture_dir):
+            out.append(f"capture {capture_dir} changed since the checkpoint was trained on it (fingerprint differs "
+                       f"from {manifest_path})")
+    return out
+
+
+def _checksum_problems(ckpt: Path) -> list[str]:
+    """A training checkpoint (`checkpoints/step-N/`) lists its files' sha256 in `checkpoint.json`:
+    a truncated or bit-flipped weight file must not be exported (it would load and serve)."""
+    index_path = ckpt / "checkpoint.json"
+    if not index_path.is_file():
+        return []
+    try:
+        files = json.loads(index_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return [f"{index_path}: unreadable checkpoint index ({e})"]
+    out = []
+    for name, meta in files.items():
+        f = ckpt / name
+        if not f.is_file():
+            out.append(f"{f}: listed in checkpoint.json but missing")
+        elif f.stat().st_size != meta.get("bytes") or sha256_file(f) != meta.get("sha256"):
+            out.append(f"{f}: does not match its sha256 in checkpoint.json (truncated or corrupt); "
+                       f"export an earlier checkpoint or retrain")
+    return out
+
+
+def compatibility_problems(sglang_cfg: dict, src: Sources) -> tuple[list[str], list[str]]:
+    """(fatal, warnings) of the drafter <-> target compatibility check (drafter_io) run on the config
+    the export writes, i.e. after max_position_embeddings and the layer ids were set."""
+    from eagle3.drafter_io import compatibility_mismatches
+    from eagle3.model import DrafterConfig
+
+    found = compatibility_mismatches(DrafterConfig.from_hf_dict(sglang_cfg), src.target_text_cfg,
+                                     aux_layer_ids_captured=src.aux_layer_ids)
+    fatal = [f"compatibility: {m}" for m in found if m.fatal]
+    return fatal, [str(m) for m in found if not m.fatal]
+
+
+def build_configs(src: Sources, config, speculative_tokens: int) -> dict[str, dict]:
+    sg = spec.sglang_config(src.drafter_cfg, vocab_size=int(src.target_text_cfg["vocab_size"]),
+                            max_position_embeddings=src.context_length, aux_layer_ids=src.aux_layer_ids,
+                            dtype=config.dtype)
+    sp = spec.speculators_config(sg, hf_indices=src.hf_indices, verifier_path=config.target.path,
+                                 verifier_architectures=src.target_architectures,
+                                 speculative_tokens=speculative_tokens)
+    return {"sglang": sg, "speculators": sp}
+
+
+def load_exported(path: Path, fmt: str, embed_tokens: Optional[torch.Tensor] = None):
+    """An exported directory -> Eagle3Drafter (fp32), through the project's loader for SGLang."""
+    from eagle3.drafter_io import load_drafter_dir
+
+    if fmt == "sglang":
+        return load_drafter_dir(path, embed_tokens=embed_tokens, dtype=torch.float32)
+    return load_speculators_dir(path, embed_tokens=embed_tokens).float()
+
+
+def _inputs_fingerprint(config) -> dict[str, Any]:
+    ckpt = Path(config.checkpoint_dir)
+    fp = {"checkpoint": {n: sha256_file(ckpt / n) for n in ("config.json", "model.safetensors")
+                         if (ckpt / n).is_file()}}
+    for role, d in (("capture", Path(config.capture_dir)), ("eval", Path(config.eval_dir))):
+        fp[role] = sha256_file(d / "manifest.json") if (d / "manifest.json").is_file() else None
+    report = Path(config.eval_dir) / "report.json"
+    fp["eval_report"] = sha256_file(report) if report.is_file() else None
+    return fp
+
+
+def _reusable(config, out_dir: Path, fingerprints: dict, validate_kw: dict) -> bool:
+    try:
+        old = read_manifest(out_dir, STAGE)
+    except Exception:
+        return False
+    from eagle3.conf import as_plain_dict
+
+    if old.get("config") != json.loads(json.dumps(as_plain_dict(config))) or old.get("fingerprints") != fingerprints:
+        return False
+    return not any(validate_format_dir(format_dir(out_dir, f), f, **validate_kw) for f in formats_of(config.format))
+
+
+def run_export(config) -> Path:
+    """Export `config.checkpoint_dir` to `config.out_dir` (see the module doc); returns out_dir."""
+    from eagle3.drafter_io import DrafterLoadError, load_drafter_dir
+    from eagle3.target_io import load_embed_tokens
+
+    out_dir, ckpt = Path(config.out_dir), Path(config.checkpoint_dir)
+    _recover_interrupted_swap(out_dir)
+    src = gather_sources(config)
+    choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
+    validate_kw = dict(vocab_size=int(src.target_text_cfg["vocab_size"]), max_position_embeddings=src.context_length,
+                       aux_layer_ids=src.aux_layer_ids, hf_indices=src.hf_indices, dtype=config.dtype,
+                       rope=spec.rope_settings(src.drafter_cfg))
+    fingerprints = _inputs_fingerprint(config)
+    if _reusable(config, out_dir, fingerprints, validate_kw):
+        print(f"export: {out_dir} is up to date with its config and inputs (revalidated from disk); reused")
+        print((out_dir / "SERVE.md").read_text())
+        return out_dir
+
+    configs = build_configs(src, config, speculative_tokens=choice.num_steps)
+    fatal, warnings = compatibility_problems(configs["sglang"], src)
+    if fatal:
+        raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
+    for w in warnings:
+        print(f"export: warning: {w}")
+    embed = load_embed_tokens(config.target.path, config.target.layout).float()
+    try:
+        reference = load_drafter_dir(ckpt, embed_tokens=embed, dtype=torch.float32)
+    except DrafterLoadError as e:
+        raise ExportError(f"checkpoint {ckpt} cannot be loaded", [str(e)]) from e
+    tmp = _fresh_tmp_dir(out_dir)
+    try:
+        facts = _write_and_check(tmp, config, configs, reference, embed, src, validate_kw)
+        sg_cmd, vllm_cmd = _serve_commands(config, out_dir, choice)
+        facts.update({"checkpoint": str(ckpt), "aux layer ids (SGLang eagle_config)": src.aux_layer_ids,
+                      "HF indices (vLLM eagle_aux_hidden_state_layer_ids)": src.hf_indices,
+                      "max_position_embeddings": f"{src.context_length} (the checkpoint had "
+                                                 f"{src.drafter_cfg.get('max_position_embeddings')})",
+                      "weights dtype": config.dtype,
+                      "validated from disk": "every tensor name, shape and dtype; no stray names; d2t/t2d; config fields",
+                      "compatibility warnings": "; ".join(warnings) or "none"})
+        serve_md = serve_markdown(name=config.name, target=config.target, choice=choice, sglang_cmd=sg_cmd,
+                                  vllm_cmd=vllm_cmd, facts=facts)
+        atomic_write_bytes(tmp / "SERVE.md", serve_md.encode())
+        inputs = {role: Path(p) for role, p in (("capture", config.capture_dir), ("eval", config.eval_dir))
+                  if (Path(p) / "manifest.json").is_file()}
+        write_manifest(tmp, STAGE, config, inputs=inputs, fingerprints=fingerprints, formats=formats_of(config.format),
+                       serve_choice=choice.as_dict(), facts=facts, compatibility_warnings=warnings,
+                       sglang_command=sg_cmd, vllm_command=vllm_cmd)
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(serve_md)
+    return out_dir
+
+
+def _write_and_check(tmp: Path, config, configs: dict, reference, embed: torch.Tensor, src: Sources,
+                     validate_kw: dict) -> dict[str, Any]:
+    """Write each format under tmp, validate it from disk, load it back and compare with the checkpoint."""
+    weight_dtype = spec.WEIGHT_DTYPES[config.dtype]
+    batches = validation_batches(src.store_dir, config.verify_sequences, config.verify_tokens)
+    # takes the checkpoint's full-precision logits, then rounds its weights to the export dtype in place:
+    # exporting the rounded weights writes exactly what casting the originals would
+    roundtrip = RoundTripReference(reference, batches, weight_dtype)
+    facts: dict[str, Any] = {}
+    for fmt in formats_of(config.format):
+        d = format_dir(tmp, fmt)
+        write_format_dir(d, configs[fmt], export_tensors(reference.export_state_dict(), fmt, weight_dtype), fmt)
+        problems = validate_format_dir(d, fmt, **validate_kw)
+        if problems:
+            raise ExportError(f"the written {fmt} directory failed validation", problems)
+        problems, stats = roundtrip.check(load_exported(d, fmt, embed))
+        if problems:
+            raise ExportError(f"the {fmt} export does not reproduce the checkpoint", problems)
+        facts[f"{fmt} round trip"] = _describe_roundtrip(stats, src.store_dir)
+    return facts
+
+
+def _describe_roundtrip(stats: dict, store_dir: Path) -> str:
+    if "note" in stats:
+        return f"weights identical to the checkpoint's; {stats['note']}"
+    return (f"weights identical to the checkpoint's rounded to the export dtype; logits on {stats['sequences']} "
+            f"sequences / {stats['positions']} positions of {store_dir} (2 draft steps) equal theirs "
+            f"(max rel diff {stats['max_rel_diff_vs_rounded']:.1e}); vs the unrounded checkpoint: max |diff| "
+            f"{stats['max_abs_diff_vs_checkpoint']:.3g}, top-1 agreement {stats['top1_agreement_vs_checkpoint']:.1%}")
+
+
+def _serve_commands(config, out_dir: Path, choice) -> tuple[Optional[list[str]], Optional[list[str]]]:
+    fmts = formats_of(config.format)
+    tp = tensor_parallel(config.target, config.serve.tp)
+    sg = sglang_command(config.target, out_dir, choice, tp, config.serve.extra_args) if "sglang" in fmts else None
+    vl = vllm_command(config.target, out_dir / SPECULATORS_SUBDIR, choice, tp) if "speculators" in fmts else None
+    return sg, vl
+
+
+def _recover_interrupted_swap(out_dir: Path) -> None:
+    """An export killed between moving the old directory aside and moving the new one in leaves no
+    out_dir but a `.old-*` one: put it back (it was complete and validated when it was written)."""
+    if out_dir.exists():
+        return
+    olds = sorted(out_dir.parent.glob(f".{out_dir.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds:
+        os.replace(olds[-1], out_dir)
+        print(f"export: restored {out_dir} from {olds[-1].name} (an earlier export was interrupted)")
+
+
+def _fresh_tmp_dir(out_dir: Path) -> Path:
+    """A new temp directory beside out_dir (same filesystem, so the final rename is atomic); leftovers
+    of a killed export are removed first."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    """Replace out_dir by tmp: the old directory is moved aside, not deleted, until the new one is in."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Files of an exported drafter directory, per format: write (config.json + model.safetensors),
+validate from disk against `eagle3.export_spec`, and load back into an `Eagle3Drafter`.
+
+The SGLang format is read back with the project's own loader (`eagle3.drafter_io.load_drafter_dir`);
+the speculators format maps `layers.0.*` back to `midlayer.*` and its config back to the SGLang one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3 import export_spec as spec
+from eagle3.manifest import atomic_write_json
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+# Files a server would also pick up as weights (SGLang/vLLM glob the top directory).
+STRAY_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _Header:
+    """Shape and dtype of one stored tensor, read from the safetensors header (no data loaded)."""
+
+    def __init__(self, shape: list[int], dtype: torch.dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def export_tensors(state: Mapping[str, torch.Tensor], fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Canonical (SGLang-named) drafter tensors -> the `fmt` names, weights cast to `dtype`,
+    d2t int64, t2d bool, contiguous CPU copies (safetensors refuses shared or strided storage)."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu")
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        elif t.is_floating_point():
+            t = t.to(dtype)
+        out[spec.to_format_name(name, fmt)] = t.contiguous().clone()
+    return out
+
+
+def write_format_dir(path: Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                     fmt: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(dict(tensors), str(path / WEIGHTS), metadata={"format": "pt", "eagle3_export_format": fmt})
+    atomic_write_json(path / CONFIG, dict(config))
+
+
+def read_headers(weights: Path) -> dict[str, _Header]:
+    with safe_open(str(weights), framework="pt") as f:
+        out = {}
+        for name in f.keys():
+            sl = f.get_slice(name)
+            dt = sl.get_dtype()
+            out[name] = _Header(sl.get_shape(), _SAFETENSORS_DTYPES.get(dt, dt))
+        return out
+
+
+def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_embeddings: int,
+                        aux_layer_ids: list[int], hf_indices: list[int], dtype: str,
+                        rope: Optional[tuple[float, Any]]) -> list[str]:
+    """Everything wrong with the `fmt` directory at `path`, read from disk: config fields, every tensor
+    name / shape / dtype, d2t/t2d consistency, non-finite weights, stray weight files."""
+    path = Path(path)
+    cfg_path, w_path = path / CONFIG, path / WEIGHTS
+    if not cfg_path.is_file() or not w_path.is_file():
+        return [f"{path}: missing {CONFIG if not cfg_path.is_file() else WEIGHTS}"]
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{cfg_path}: not valid JSON ({e})"]
+    problems = [f"{p.name}: would be loaded as weights too" for p in path.iterdir()
+                if p.is_file() and p.name != WEIGHTS and p.suffix in STRAY_WEIGHT_SUFFIXES]
+    draft_v = int(cfg.get("draft_vocab_size") or 0)
+    if fmt == "sglang":
+        problems += spec.sglang_config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
+                                                max_position_embeddings=max_position_embeddings,
+                                                aux_layer_ids=aux_layer_ids, dtype=dtype, rope=rope)
+        shape_cfg = cfg
+    else:
+        problems += spec.speculators_config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
+                                                     max_position_embeddings=max_position_embeddings,
+                                                     hf_indices=hf_indices, dtype=dtype, rope=rope)
+        shape_cfg = spec.sglang_from_speculators(cfg) if isinstance(cfg.get("transformer_layer_config"), dict) else cfg
+    try:
+        shape = spec.DrafterShape.from_hf_dict(shape_cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"{cfg_path}: {e}"] + problems
+    try:
+        headers = read_headers(w_path)
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        return problems + [f"{w_path}: unreadable safetensors file ({e})"]
+    problems += spec.tensor_problems(headers, spec.expected_tensors(shape, fmt, spec.WEIGHT_DTYPES[dtype]))
+    try:
+        with safe_open(str(w_path), framework="pt") as f:
+            if "d2t" in headers and "t2d" in headers:
+                problems += spec.vocab_mapping_problems(f.get_tensor("d2t"), f.get_tensor("t2d"),
+                                                        shape.draft_vocab_size, shape.vocab_size)
+            problems += spec.nonfinite_problems({n: f.get_tensor(n) for n in headers
+                                                 if headers[n].dtype in (torch.bfloat16, torch.float16, torch.float32)})
+    except Exception as e:
+        problems.append(f"{w_path}: cannot read tensor data ({e}); truncated or corrupt file")
+    return [f"{fmt}: {p}" for p in problems]
+
+
+def load_speculators_dir(path: Path, embed_tokens: Optional[torch.Tensor] = None):
+    """A speculators directory -> Eagle3Drafter (names mapped back, strict: every tensor must match)."""
+    from eagle3.model import DrafterConfig, Eagle3Drafter
+
+    path = Path(path)
+    cfg = json.loads((path / CONFIG).read_text())
+    dcfg = DrafterConfig.from_hf_dict(spec.sglang_from_speculators(cfg))
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        state = {spec.from_format_name(n, "speculators"): f.get_tensor(n) for n in f.keys()}
+    # names and shapes must match exactly; dtypes are whatever the export used (all load as fp32)
+    expected = spec.expected_tensors(spec.DrafterShape.from_hf_dict(dcfg.to_hf_dict()), "sglang")
+    expected = {n: spec.TensorSpec(s.shape, state[n].dtype if n in state else s.dtype) for n, s in expected.items()}
+    problems = spec.tensor_problems(state, expected)
+    if problems:
+        raise ValueError(f"{path}: not a loadable speculators drafter: " + "; ".join(problems))
+    model = Eagle3Drafter(dcfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) != {"embed_tokens.weight"} or unexpected:
+        raise ValueError(f"{path}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})")
+    if embed_tokens is not None:
+        model.set_embeddings(embed_tokens)
+    return model

@@ -1,0 +1,28 @@
+"""Entry point of the export stage: `python eval/run_export.py [overrides]` (`make export`).
+
+The trained drafter (train-<name>/final) -> an SGLang directory (and a vLLM speculators one), validated
+from disk and checked logit for logit against the checkpoint; prints the serve commands (SERVE.md).
+`+init=scratch` exports the scratch run; `format=sglang|speculators|both`; `dtype=float32` for an
+exact copy."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+
+from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from eagle3.schema.export import ExportConfig  # noqa: E402
+from eval.export import ExportError, run_export  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base=None)
+def main(cfg) -> None:
+    try:
+        run_export(to_schema(cfg, ExportConfig))
+    except (ConfigError, ExportError) as e:
+        sys.exit(f"export failed: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The console summary of an eval report (rich tables), plus the plain-text verdict lines."""
+from __future__ import annotations
+
+import math
+
+
+def _f(x, nd=2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def verdict_lines(report: dict) -> list[str]:
+    """One line per knob setting: the drafter's (and n-gram's) predicted speed on the configured server."""
+    lines = []
+    for label, entry in (report.get("cost") or {}).get("by_knob", {}).items():
+        d = entry.get("drafter")
+        if d:
+            lines.append(f"[{label}] drafter: {d['verdict']}")
+        n = entry.get("ngram")
+        if n:
+            lines.append(f"[{label}] n-gram: {'FASTER' if n['wins'] else 'SLOWER'} ({n['spec_tok_s']:.1f} tok/s, "
+                         f"{n['speedup']:.2f}x at accept length {n['accept_length']:.2f})")
+    return lines
+
+
+def print_summary(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.rule(f"eval {report.get('name', '')}: {report.get('drafter_dir', '')}")
+    acc = report.get("accuracy")
+    if acc:
+        t = Table(title="Validation accuracy per TTT step (teacher-forced)")
+        t.add_column("")
+        for k in range(len(acc["step_accuracy"])):
+            t.add_column(f"step {k}", justify="right")
+        t.add_row("accuracy", *[_f(a, 3) for a in acc["step_accuracy"]])
+        t.add_row("conditional", *[_f(a, 3) for a in acc["conditional_accuracy"]])
+        t.add_row("positions", *[str(n) for n in acc["positions"]])
+        console.print(t)
+    t = Table(title="Simulated accept length (SGLang convention: tokens per verify cycle, bonus included)")
+    for col in ("steps/topk/draft", "drafting", "accept length", "cycles", "P(accept) by position", "mismatch"):
+        t.add_column(col, justify="right" if col in ("accept length", "cycles", "mismatch") else "left")
+    for label, entry in (report.get("accept") or {}).items():
+        for name in ("drafter", "ngram"):
+            s = entry.get(name)
+            if s:
+                t.add_row(label, name, _f(s["accept_length"]), str(s["cycles"]),
+                          " ".join(_f(a) for a in s["acceptance_by_position"]), f"{100 * s['mismatch_rate']:.1f}%")
+    console.print(t)
+    real = report.get("real_loop")
+    if real and real.get("knobs"):
+        t = Table(title=f"Real speculative decoding ({real['prompts']} prompts, <= {real['max_new_tokens']} tokens)")
+        for col in ("knobs", "lossless", "real tau", "simulated tau", "verify ms", "draft step ms", "tok/s",
+                    "baseline tok/s", "predicted tok/s"):
+            t.add_column(col, justify="right")
+        for label, r in real["knobs"].items():
+            pred = (r.get("prediction_from_measured") or {}).get("spec_tok_s")
+            t.add_row(label, "yes" if r["lossless"] else "NO", _f(r["real_accept_length"]), _f(r["sim_accept_length"]),
+                      _f(r["verify_ms"], 1), _f(r["draft_step_ms"], 2), _f(r["measured_spec_tok_s"], 1),
+                      _f(r["measured_baseline_tok_s"], 1), _f(pred, 1))
+        console.print(t)
+    cost = report.get("cost") or {}
+    if cost:
+        lat = cost.get("latencies", {})
+        console.print(f"Cost model ({lat.get('source', '')}: baseline {1000 / lat['baseline_token_ms']:.1f} tok/s, "
+                      f"verify {lat['verify_ms']:.1f} ms):")
+        for line in verdict_lines(report):
+            console.print("  " + line)
+    for w in report.get("warnings") or []:
+        console.print(f"[bold yellow]warning:[/] {w}")

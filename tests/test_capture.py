@@ -1,0 +1,327 @@
+"""The capture stage end to end on the tiny targets (conftest): layer semantics on the Kimi-K2.5
+layout and a plain causal LM, batching invariance, multi-process merge, reuse, mismatch refusal,
+and the bad-input errors that must come before the model loads."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import data.capture as capture_mod
+from data.capture import CaptureError, Dist, make_batches, plan_split, run_capture
+from eagle3 import target_io
+from eagle3.conf import compose, to_schema
+from eagle3.schema.capture import CaptureConfig
+from eagle3.store import HiddenStateStore
+
+LAYOUT = {"k25": "kimi_k25", "k2": "causal_lm"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster, and far faster on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_k25_target, tiny_k2_target):
+    return {"k25": tiny_k25_target, "k2": tiny_k2_target}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
+    """A real prepare-stage directory for the tiny tokenizer (shared by both tiny targets), from
+    short conversations cut out of real ShareGPT text so that lengths vary (12..~90 tokens)."""
+    import random
+
+    from data.prepare import run_prepare
+    from eagle3.schema.prepare import PrepareConfig
+
+    root = tmp_path_factory.mktemp("prep_root")
+    rng = random.Random(0)
+    words = " ".join(t["value"] for r in tiny_sharegpt_records[:10] for t in r["conversations"]
+                     if isinstance(t.get("value"), str)).split()
+    corpus = root / "short.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(30):
+            turns = []
+            for role in ("human", "gpt") * rng.choice([1, 1, 2]):
+                a = rng.randrange(len(words) - 40)
+                turns.append({"from": role, "value": " ".join(words[a:a + rng.randint(1, 8)])})
+            f.write(json.dumps({"id": f"c{i:02d}", "conversations": turns}) + "\n")
+    cfg = compose("prepare", [f"paths.root={root}", f"target.path={tiny_k25_target}",
+                              f"target.tokenizer={tiny_k25_target}", f"input={corpus}",
+                              "max_length=96", "validation_fraction=0.2"])
+    return run_prepare(to_schema(cfg, PrepareConfig))
+
+
+def capture_config(tmp_path, targets, prepared, which="k25", out="capture", overrides=()):
+    cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={targets[which]}",
+                              f"target.tokenizer={targets[which]}", f"target.layout={LAYOUT[which]}",
+                              f"in_dir={prepared}", f"out_dir={tmp_path / out}", "dtype=float32",
+                              "progress=false", "max_tokens_per_batch=96", "shard_tokens=200", *overrides])
+    return to_schema(cfg, CaptureConfig)
+
+
+def load_split(prepared, split):
+    import datasets
+
+    return datasets.load_from_disk(str(prepared / split))
+
+
+@pytest.mark.parametrize("which", ["k25", "k2"])
+def test_stored_states_are_hf_hidden_states_i_plus_1(tmp_path, targets, prepared, which):
+    cfg = capture_config(tmp_path, targets, prepared, which, overrides=["aux_layer_ids=[0,3,6]", "limit=6"])
+    out = run_capture(cfg, Dist())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == [0, 3, 6] and manifest["hf_indices"] == [1, 4, 7]
+    assert manifest["aux_layer_source"] == "config"
+    store = HiddenStateStore(out / "train", verify="sha256")
+    assert len(store) == 6 and store.aux_layer_ids == [0, 3, 6] and store.hidden_size == 64
+    ds = load_split(prepared, "train")
+    by_id = {ds[i]["id"]: ds[i] for i in range(6)}
+    model, _ = target_io.load_target(targets[which], LAYOUT[which], dtype="float32")
+    H = store.hidden_size
+    for k in range(len(store)):
+        rec = store[k]
+        row = by_id[rec["id"]]
+        ids = torch.tensor(row["input_ids"])
+        assert torch.equal(rec["input_ids"], ids)
+        assert torch.equal(rec["loss_mask"], torch.tensor(row["loss_mask"]).bool())
+        with torch.no_grad():  # the reference: HF's own hidden states, one unpadded sequence
+            ref = model(input_ids=ids[None], output_hidden_states=True)
+        hs = ref.hidden_states
+        for j, i in enumerate([0, 3, 6]):
+            torch.testing.assert_close(rec["aux"][:, j * H:(j + 1) * H], hs[i + 1][0], rtol=1e-5, atol=1e-5)
+        # `last` is what lm_head consumes: it reproduces the model's logits
+        logits = target_io.lm_head(model)(rec["last"])
+        torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(rec["target_argmax"], ref.logits[0].argmax(-1))
+
+
+def test_bf16_default_and_sglang_default_ids(tmp_path, targets, prepared):
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["dtype=bfloat16", "limit=3",
+                                                                 "splits=[validation]"])
+    out = run_capture(cfg, Dist())
+    manifest = json.loads((out / "manifest.json").read_text())
+    # 8 layers: SGLang's default HF indices [2, L//2, L-3] = [2, 4, 5] = ids [1, 3, 4]
+    assert manifest["hf_indices"] == [2, 4, 5] and manifest["aux_layer_ids"] == [1, 3, 4]
+    assert manifest["aux_layer_source"] == "sglang_default"
+    assert manifest["bytes_per_token"] == 4 * 64 * 2 + 9
+    store = HiddenStateStore(out / "validation")
+    assert store.dtype == "bfloat16" and store[0]["aux"].dtype == torch.bfloat16
+    assert store[0]["aux"].shape[1] == 3 * 64
+
+
+def test_init_drafter_ids_win(tmp_path, targets, prepared):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["+init=aqmedai_k2", f"init.drafter_path={drafter}",
+                                                                 "limit=2", "splits=[validation]"])
+    out = run_capture(cfg, Dist())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["hf_indices"] == [3, 5, 6]
+    assert manifest["aux_layer_source"].startswith("init_drafter:")
+
+
+def test_padding_and_batching_do_not_change_values(tmp_path, targets, prepared):
+    alone = run_capture(capture_config(tmp_path, targets, prepared, out="alone",
+                                       overrides=["max_tokens_per_batch=1", "limit=10"]), Dist())
+    batched = run_capture(capture_config(tmp_path, targets, prepared, out="batched",
+                                         overrides=["max_tokens_per_batch=1000", "limit=10"]), Dist())
+    a, b = HiddenStateStore(alone / "train"), HiddenStateStore(batched / "train")
+    assert a.ids == b.ids and a.lengths == b.lengths and len(set(a.lengths)) > 1  # really padded
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["target_argmax"], y["target_argmax"])
+        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x["last"], y["last"], rtol=1e-5, atol=1e-5)
+
+
+def test_multi_process_parts_read_like_one_process(tmp_path, targets, prepared):
+    one = run_capture(capture_config(tmp_path, targets, prepared, out="one"), Dist())
+    cfg = capture_config(tmp_path, targets, prepared, out="multi")
+    run_capture(cfg, Dist(rank=1, world=2))  # rank 1 first: no merge (rank 0 merges)
+    assert not (tmp_path / "multi" / "train" / "manifest.json").exists()
+    run_capture(cfg, Dist(rank=0, world=2))
+    assert (tmp_path / "multi" / "train" / "part-1" / "manifest.json").is_file()
+    for split in ("train", "validation"):
+        a, b = HiddenStateStore(one / split, verify="sha256"), HiddenStateStore(tmp_path / "multi" / split,
+                                                                               verify="sha256")
+        assert a.ids == b.ids and a.lengths == b.lengths and a.num_tokens == b.num_tokens > 0
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            for key in ("input_ids", "loss_mask", "aux", "last", "target_argmax"):
+                assert torch.equal(x[key], y[key]), (split, i, key)
+    m1 = json.loads((one / "manifest.json").read_text())["splits"]["train"]
+    m2 = json.loads((tmp_path / "multi" / "manifest.json").read_text())["splits"]["train"]
+    assert (m1["sequences"], m1["tokens"], m1["loss_tokens"]) == (m2["sequences"], m2["tokens"], m2["loss_tokens"])
+
+
+def test_rerun_reuses_and_other_settings_refuse_to_mix(tmp_path, targets, prepared, monkeypatch):
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["limit=4"])
+    run_capture(cfg, Dist())
+    monkeypatch.setattr(target_io, "load_target", lambda *a, **k: pytest.fail("reused run must not load"))
+    run_capture(cfg, Dist())
+    monkeypatch.undo()
+    other = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_layer_ids=[0,1,2]"])
+    with pytest.raises(CaptureError, match="refusing to mix.*aux_layer_ids"):
+        run_capture(other, Dist())
+    other_target = capture_config(tmp_path, targets, prepared, which="k2", overrides=["limit=4"])
+    with pytest.raises(CaptureError, match="refusing to mix.*meta"):
+        run_capture(other_target, Dist())
+    forced = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_layer_ids=[0,1,2]",
+                                                                    "overwrite=true"])
+    run_capture(forced, Dist())
+    assert HiddenStateStore(tmp_path / "capture" / "train").aux_layer_ids == [0, 1, 2]
+
+
+def _no_load(*a, **k):
+    raise AssertionError("the model must not be loaded for bad input")
+
+
+def test_out_of_range_ids_error_before_loading(tmp_path, targets, prepared, monkeypatch):
+    monkeypatch.setattr(target_io, "load_target", _no_load)
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["aux_layer_ids=[2,30,58]"])
+    with pytest.raises(CaptureError, match=r"\[30, 58\] outside the target's decoder layers \[0, 8\)"):
+        run_capture(cfg, Dist())
+    assert not (tmp_path / "capture").exists()
+
+
+def test_missing_target_and_missing_dataset_are_clear(tmp_path, targets, prepared, monkeypatch):
+    monkeypatch.setattr(target_io, "load_target", _no_load)
+    cfg = capture_config(tmp_path, targets, prepared, overrides=[f"target.path={tmp_path / 'nope'}"])
+    with pytest.raises(CaptureError, match="nope: no config.json"):
+        run_capture(cfg, Dist())
+    cfg = capture_config(tmp_path, targets, prepared, overrides=[f"in_dir={tmp_path / 'noprep'}"])
+    with pytest.raises(CaptureError, match="noprep: no manifest.json"):
+        run_capture(cfg, Dist())
+
+
+def test_dataset_from_another_tokenizer_is_refused(tmp_path, targets, prepared, monkeypatch):
+    monkeypatch.setattr(target_io, "load_target", _no_load)
+    other = tmp_path / "prep"
+    shutil.copytree(prepared, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["fingerprints"]["tokenizer"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(m))
+    cfg = capture_config(tmp_path, targets, prepared, overrides=[f"in_dir={other}"])
+    with pytest.raises(CaptureError, match="prepared with another tokenizer"):
+        run_capture(cfg, Dist())
+
+
+def test_overlong_sequences_truncated_or_skipped_and_counted(tmp_path, targets, prepared):
+    ds = load_split(prepared, "train")
+    lengths = [len(r) for r in ds["input_ids"]]
+    cut = sorted(lengths)[len(lengths) // 2]
+    n_long = sum(T > cut for T in lengths)
+    assert 0 < n_long < len(lengths)
+    out = run_capture(capture_config(tmp_path, targets, prepared, out="trunc", overrides=[f"max_seq_len={cut}"]),
+                      Dist())
+    store = HiddenStateStore(out / "train")
+    assert len(store) == len(lengths) and max(store.lengths) == cut
+    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["truncated"] == n_long
+    out = run_capture(capture_config(tmp_path, targets, prepared, out="skip",
+                                     overrides=[f"max_seq_len={cut}", "on_overlong=skip"]), Dist())
+    assert len(HiddenStateStore(out / "train")) == len(lengths) - n_long
+    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["skipped"] == {"overlong": n_long}
+
+
+def test_non_finite_sequence_is_skipped_and_counted_by_id(tmp_path, targets, prepared):
+    """A target whose embedding row for one token is NaN: exactly the sequences holding that
+    token are skipped (with their ids); the others are stored."""
+    from safetensors.torch import load_file, save_file
+
+    ds = load_split(prepared, "train")
+    rows = ds["input_ids"]
+    counts = torch.bincount(torch.tensor([t for r in rows for t in set(r)]), minlength=512)
+    rare = int(torch.nonzero((counts >= 1) & (counts <= 3))[0])
+    bad_ids = {ds[i]["id"] for i, r in enumerate(rows) if rare in r}
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(targets["k25"], poisoned)
+    sd = load_file(poisoned / "model.safetensors")
+    sd["language_model.model.embed_tokens.weight"][rare] = float("nan")
+    save_file(sd, poisoned / "model.safetensors", metadata={"format": "pt"})
+    cfg = capture_config(tmp_path, {**targets, "k25": poisoned}, prepared, overrides=["max_tokens_per_batch=1"])
+    out = run_capture(cfg, Dist())
+    split = json.loads((out / "manifest.json").read_text())["splits"]["train"]
+    assert split["skipped"] == {"non_finite": len(bad_ids)}
+    assert set(split["skipped_ids"]["non_finite"]) == bad_ids
+    store = HiddenStateStore(out / "train")
+    assert len(store) == len(rows) - len(bad_ids) and not bad_ids & set(store.ids)
+
+
+def test_batches_respect_the_token_budget():
+    from data.capture import Seq
+
+    seqs = [Seq(i, f"s{i}", T, i) for i, T in enumerate([9, 7, 7, 4, 3, 3, 1])]
+    batches = make_batches(seqs, 14)
+    assert [[s.length for s in b] for b in batches] == [[9], [7, 7], [4, 3, 3], [1]]
+    assert all(len(b) * b[0].length <= 14 for b in batches)
+    assert [s.length for b in make_batches(seqs, 5) for s in b] == [9, 7, 7, 4, 3, 3, 1]
+
+
+def test_plan_sorts_longest_first_with_stable_ties(prepared):
+    ds = load_split(prepared, "train")
+    seqs, counts = plan_split(ds, limit=8, max_len=10_000, on_overlong="truncate")
+    assert len(seqs) == 8 and counts["truncated"] == 0
+    keys = [(-s.length, s.index) for s in seqs]
+    assert keys == sorted(keys) and [s.order for s in seqs] == list(range(8))
+    assert capture_mod.plan_split(ds, limit=0, max_len=10, on_overlong="skip")[0] == []
+
+
+def _store_files(split_dir):
+    return {p.name: p.read_bytes() for p in sorted(split_dir.iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_killed_capture_resumes_to_an_identical_store(tmp_path, targets, prepared):
+    """SIGKILL a real `data/run_capture.py` process after its first shard is committed, rerun it,
+    and compare with an uninterrupted run: every shard and the store manifests byte-identical."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eagle3 import REPO_ROOT
+
+    def overrides(out):
+        return [f"paths.root={tmp_path}", f"target.path={targets['k25']}", f"target.tokenizer={targets['k25']}",
+                f"in_dir={prepared}", f"out_dir={tmp_path / out}", "max_tokens_per_batch=96", "shard_tokens=200",
+                "progress=false", "splits=[train]"]
+
+    def cmd(out):
+        return [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *overrides(out)]
+
+    # The uninterrupted reference runs in this process (one thread, like the subprocesses).
+    run_capture(to_schema(compose("capture", overrides("ref")), CaptureConfig), Dist())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    proc = subprocess.Popen(cmd("crash"), env={**env, "EAGLE3_CAPTURE_BATCH_DELAY_S": "0.2"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    manifest = tmp_path / "crash" / "train" / "manifest.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads(manifest.read_text())["shards"]:
+                break
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, f"capture ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed = json.loads(manifest.read_text())
+    assert not killed["complete"] and 0 < len(killed["shards"]) < len(
+        json.loads((tmp_path / "ref" / "train" / "manifest.json").read_text())["shards"])
+
+    again = subprocess.run(cmd("crash"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = _store_files(tmp_path / "ref" / "train"), _store_files(tmp_path / "crash" / "train")
+    assert len(a) > 3 and sorted(a) == sorted(b) and a == b
+    resumed = json.loads((tmp_path / "crash" / "manifest.json").read_text())["splits"]["train"]["this_run"]
+    assert resumed["batches_run"] < resumed["batches"]  # it really resumed, not redid everything

@@ -1,0 +1,140 @@
+"""The real drafter inside the replay (eval/drafter_session.py) and the evaluation function
+(eval/evaluate.py), on a tiny random drafter and hand-built stores."""
+import pytest
+import torch
+
+from eagle3.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.store import HiddenStateStore, HiddenStateWriter
+from eagle3.ttt import KVCache
+from eagle3.unroll import ttt_unroll
+from eval.drafter_session import SequenceDrafter
+from eval.evaluate import EvalInputError, evaluate_drafter, teacher_forced_correct
+
+V, DV, H, HT = 40, 24, 16, 12
+
+
+def tiny_drafter(seed=0, aux_ids=(0, 1, 2)) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
+                        aux_layer_ids=list(aux_ids), initializer_range=0.3)
+    model = Eagle3Drafter(cfg).eval()
+    model.set_embeddings(torch.randn(V, H))
+    ids = torch.sort(torch.randperm(V)[:DV]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_vocab_mapping(ids - torch.arange(DV), t2d)
+    return model
+
+
+@torch.no_grad()
+def naive_draft(model, aux, ids, q, path):
+    """Reference: fresh KV cache, extend over pairs 0..q-1, then one step per token of `path`;
+    returns the draft distribution (probs over the draft vocab) after the path."""
+    cache = KVCache()
+    out = model.step(ids[None, 1:q + 1], model.project_aux(aux[None, :q]), torch.arange(q)[None], cache)
+    h = out[:, -1:]
+    for j, tok in enumerate(path):
+        h = model.step(torch.tensor([[tok]]), h, torch.tensor([[q + j]]), cache)
+    return torch.softmax(model.logits(h)[0, -1].float(), -1)
+
+
+class NaiveStepDrafter:
+    """StepDrafter recomputing every row from scratch (no shared caches)."""
+
+    def __init__(self, model, aux, ids, q, topk):
+        self.args, self.topk, self.paths = (model, aux, ids, q), topk, None
+
+    def __call__(self, src, tokens):
+        self.paths = [()] if src is None else [self.paths[s] + (int(t),) for s, t in zip(src.tolist(), tokens.tolist())]
+        model = self.args[0]
+        probs = torch.stack([naive_draft(*self.args, p) for p in self.paths])
+        p, i = probs.topk(self.topk, -1)
+        return p, model.draft_ids_to_target(i)
+
+
+def random_seq(T=24, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, 3 * HT, generator=g), torch.randint(0, V, (T,), generator=g)
+
+
+@pytest.mark.parametrize("knobs", [SpecKnobs(3, 1, 4), SpecKnobs(3, 2, 6), SpecKnobs(2, 3, 7)])
+def test_session_tree_equals_naive_recompute(knobs):
+    model = tiny_drafter()
+    aux, ids = random_seq()
+    seq = SequenceDrafter(model, aux, ids, knobs.topk)
+    for q in (1, 7, 22):
+        fast = build_sglang_tree(seq.at(q), knobs)
+        ref = build_sglang_tree(NaiveStepDrafter(model, aux, ids, q, knobs.topk), knobs)
+        assert fast.tokens.tolist() == ref.tokens.tolist() and fast.parents.tolist() == ref.parents.tolist()
+        assert fast.tokens.numel() == knobs.num_draft_tokens - 1
+
+
+def test_teacher_forced_accuracy_matches_training_unroll():
+    model = tiny_drafter()
+    aux, ids = random_seq(T=20)
+    g = torch.Generator().manual_seed(5)
+    in_vocab = (model.d2t + torch.arange(DV))
+    argmax = in_vocab[torch.randint(0, DV, (20,), generator=g)]
+    mask = torch.rand(20, generator=g) > 0.2
+    correct, valid = teacher_forced_correct(model, aux, ids, argmax, mask, 4)
+    out = ttt_unroll(model, aux[None], ids[None], torch.randn(1, 20, H), argmax[None], mask[None],
+                     torch.randn(DV, H), 4)
+    assert correct.sum(1).float().tolist() == out.correct.tolist()
+    assert valid.sum(1).float().tolist() == out.count.tolist()
+
+
+@torch.no_grad()
+def self_consistent_sequence(model, T=40, seed=0):
+    """A sequence the drafter's first draft always gets right: x_{t+2} = its prediction at t."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(T, 3 * HT, generator=g)
+    ids = torch.zeros(T, dtype=torch.long)
+    ids[:2] = torch.randint(0, V, (2,), generator=g)
+    for t in range(T - 2):
+        out = model.step(ids[None, 1:t + 2], model.project_aux(aux[None, :t + 1]), torch.arange(t + 1)[None])
+        ids[t + 2] = model.draft_ids_to_target(model.logits(out)[0, -1].argmax())
+    argmax = torch.cat([ids[1:], ids[:1]])
+    return aux, ids, argmax
+
+
+def write_store(path, seqs, aux_ids=(0, 1, 2), prompt=3):
+    w = HiddenStateWriter(path, hidden_size=H, target_hidden_size=HT, aux_layer_ids=list(aux_ids),
+                          hf_indices=[i + 1 for i in aux_ids], dtype="float32", shard_tokens=64)
+    for n, (aux, ids, argmax) in enumerate(seqs):
+        mask = torch.ones(ids.numel(), dtype=torch.bool)
+        mask[:prompt] = False
+        w.add(f"s{n}", ids, mask, aux, torch.zeros(ids.numel(), H), argmax)
+    w.finish()
+    return HiddenStateStore(path)
+
+
+def test_evaluate_drafter_on_a_self_consistent_store(tmp_path):
+    model = tiny_drafter()
+    store = write_store(tmp_path / "val", [self_consistent_sequence(model, seed=s) for s in range(2)])
+    rep = evaluate_drafter(model, store, knobs=[SpecKnobs(2, 1, 3), SpecKnobs(3, 2, 6)], ttt_length=3, progress=False)
+    chain = rep["accept"]["2/1/3"]["drafter"]
+    assert chain["acceptance_by_position"][0] == 1.0 and chain["accept_length"] >= 2.0 - 1e-9
+    assert rep["accept"]["3/2/6"]["drafter"]["accept_length"] >= chain["accept_length"] - 0.35
+    assert rep["mismatch_rate"] == 0.0 and rep["warnings"] == []
+    assert rep["accept"]["2/1/3"]["ngram"]["accept_length"] >= 1.0
+    # step-0 teacher-forced accuracy: the store is built from the drafter's own step-0 choices
+    in_vocab_steps = rep["accuracy"]["step_accuracy"]
+    assert in_vocab_steps[0] == 1.0 and rep["accuracy"]["conditional_accuracy"][0] == 1.0
+
+
+def test_mismatching_store_warns_and_bad_pairs_fail(tmp_path):
+    model = tiny_drafter()
+    aux, ids = random_seq(T=30)
+    argmax = torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(9))
+    store = write_store(tmp_path / "val", [(aux, ids, argmax)])
+    rep = evaluate_drafter(model, store, knobs=[SpecKnobs()], ttt_length=2, progress=False)
+    assert rep["mismatch_rate"] > 0.5 and "not the target's greedy choice" in rep["warnings"][0]
+    with pytest.raises(EvalInputError, match="aux_layer_ids"):
+        evaluate_drafter(tiny_drafter(aux_ids=(1, 2, 3)), store, knobs=[SpecKnobs()], progress=False)
+    empty = HiddenStateWriter(tmp_path / "empty", hidden_size=H, target_hidden_size=HT, aux_layer_ids=[0, 1, 2],
+                              hf_indices=[1, 2, 3], dtype="float32")
+    empty.finish()
+    with pytest.raises(EvalInputError, match="no sequences"):
+        evaluate_drafter(model, HiddenStateStore(tmp_path / "empty"), progress=False)

@@ -1,0 +1,203 @@
+"""The pure export spec: expected names/shapes per format, the validators, the config builders."""
+import pytest
+import torch
+
+from eagle3 import export_spec as spec
+from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
+
+TINY = dict(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=50, draft_vocab_size=12, target_hidden_size=24, aux_layer_ids=[0, 2, 4],
+            rope_theta=10000.0, max_position_embeddings=128)
+# The published Kimi-K2.5 EAGLE-3 drafter shape (REFERENCES.md).
+K25 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
+           vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_layer_ids=[2, 30, 58],
+           rope_theta=1e6, max_position_embeddings=131072)
+
+
+def tiny_drafter(seed=0, **over):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(**{**TINY, **over})
+    model = Eagle3Drafter(cfg)
+    ids = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
+    model.set_vocab_mapping(d2t_from_ids(ids), t2d_from_ids(ids, cfg.vocab_size))
+    return model
+
+
+def shape_of(cfg: DrafterConfig) -> spec.DrafterShape:
+    return spec.DrafterShape.from_hf_dict(cfg.to_hf_dict())
+
+
+@pytest.mark.parametrize("dims", [TINY, K25], ids=["tiny", "kimi_k25"])
+def test_spec_equals_the_model_export_state_dict(dims):
+    """The spec is written independently of the model; both must name and shape the same tensors."""
+    cfg = DrafterConfig(**dims)
+    with torch.device("meta"):
+        model = Eagle3Drafter(cfg)
+    state = model.export_state_dict()
+    expected = spec.expected_tensors(shape_of(cfg), "sglang", torch.float32)
+    assert set(state) == set(expected)
+    for name, t in state.items():
+        assert tuple(t.shape) == expected[name].shape, name
+        assert t.dtype == expected[name].dtype, name
+    assert "embed_tokens.weight" not in expected
+
+
+def test_real_k25_shapes_spot_checked_by_hand():
+    expected = spec.expected_tensors(shape_of(DrafterConfig(**K25)), "sglang")
+    assert expected["fc.weight"].shape == (7168, 3 * 7168)
+    assert expected["midlayer.self_attn.q_proj.weight"].shape == (64 * 128, 2 * 7168)
+    assert expected["lm_head.weight"].shape == (32000, 7168)
+    assert expected["t2d"] == spec.TensorSpec((163840,), torch.bool)
+    assert expected["d2t"] == spec.TensorSpec((32000,), torch.int64)
+    assert expected["midlayer.mlp.down_proj.weight"].dtype == torch.bfloat16
+
+
+def test_speculators_names_are_layers_0_and_map_back():
+    shape = shape_of(DrafterConfig(**TINY))
+    sg, sp = spec.expected_tensors(shape, "sglang"), spec.expected_tensors(shape, "speculators")
+    assert not any(n.startswith("midlayer.") for n in sp)
+    assert "layers.0.self_attn.q_proj.weight" in sp and "layers.0.hidden_norm.weight" in sp
+    assert {spec.from_format_name(n, "speculators") for n in sp} == set(sg)
+    assert {spec.to_format_name(n, "speculators") for n in sg} == set(sp)
+    for n in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"):
+        assert n in sp
+    with pytest.raises(ValueError, match="unknown export format"):
+        spec.to_format_name("fc.weight", "onnx")
+
+
+def test_tensor_problems_name_every_fault_at_once():
+    model = tiny_drafter()
+    expected = spec.expected_tensors(shape_of(model.config), "sglang", torch.float32)
+    good = model.export_state_dict()
+    assert spec.tensor_problems(good, expected) == []
+    bad = dict(good)
+    bad["midlayer.self_attn.qproj.weight"] = bad.pop("midlayer.self_attn.q_proj.weight")  # renamed
+    bad["fc.weight"] = torch.zeros(16, 16)                                                 # wrong shape
+    del bad["d2t"]                                                                         # missing
+    bad["norm.weight"] = bad["norm.weight"].half()                                         # wrong dtype
+    bad["embed_tokens.weight"] = torch.zeros(50, 16)                                       # not exported
+    problems = spec.tensor_problems(bad, expected)
+    text = "\n".join(problems)
+    assert "missing tensor 'midlayer.self_attn.q_proj.weight'" in text
+    assert "unexpected tensor 'midlayer.self_attn.qproj.weight'" in text
+    assert "missing tensor 'd2t'" in text
+    assert "'fc.weight' has shape [16, 16], expected [16, 72]" in text
+    assert "'norm.weight' has dtype float16, expected float32" in text
+    assert "unexpected tensor 'embed_tokens.weight'" in text
+    assert len(problems) == 6
+
+
+def test_rename_hint_points_at_the_intended_name():
+    expected = spec.expected_tensors(shape_of(DrafterConfig(**TINY)), "sglang")
+    problems = spec.tensor_problems({"layers.0.mlp.up_proj.weight": torch.zeros(40, 16)}, expected)
+    assert any("did you mean 'midlayer.mlp.up_proj.weight'" in p for p in problems)
+
+
+def test_vocab_mapping_consistent_pair_passes_and_breakages_are_named():
+    ids = torch.tensor([1, 4, 5, 9])
+    d2t, t2d = d2t_from_ids(ids), t2d_from_ids(ids, 12)
+    assert spec.vocab_mapping_problems(d2t, t2d, 4, 12) == []
+    # t2d marks one token d2t does not map to (and misses one it does)
+    t2d_bad = t2d.clone()
+    t2d_bad[4], t2d_bad[6] = False, True
+    assert any("t2d does not mark" in p for p in spec.vocab_mapping_problems(d2t, t2d_bad, 4, 12))
+    # t2d marks an extra token
+    t2d_extra = t2d.clone()
+    t2d_extra[0] = True
+    assert any("t2d marks 5 target ids, expected 4" in p for p in spec.vocab_mapping_problems(d2t, t2d_extra, 4, 12))
+    # unsorted draft vocab: a valid set, shuffled order
+    shuffled = torch.tensor([4, 1, 5, 9])
+    d2t_unsorted = shuffled - torch.arange(4)
+    assert any("not increasing" in p for p in spec.vocab_mapping_problems(d2t_unsorted, t2d, 4, 12))
+    # out of range and wrong dtypes
+    assert any("outside" in p for p in spec.vocab_mapping_problems(d2t + 5, t2d, 4, 12))
+    probs = spec.vocab_mapping_problems(d2t.int(), t2d.to(torch.uint8), 4, 12)
+    assert any("d2t has dtype int32" in p for p in probs) and any("t2d has dtype uint8" in p for p in probs)
+    # sizes disagreeing with the config
+    assert any("expected [5]" in p for p in spec.vocab_mapping_problems(d2t, t2d, 5, 12))
+
+
+def test_nonfinite_weights_are_reported():
+    probs = spec.nonfinite_problems({"fc.weight": torch.tensor([1.0, float("nan"), float("inf")]),
+                                     "d2t": torch.zeros(3, dtype=torch.int64)})
+    assert probs == ["tensor 'fc.weight' has 2 non-finite values"]
+
+
+def test_sglang_config_takes_target_context_and_capture_ids():
+    cfg = DrafterConfig(**{**K25, "aux_layer_ids": [1, 2, 3]}).to_hf_dict()  # stale ids, K2's 131072
+    out = spec.sglang_config(cfg, vocab_size=163840, max_position_embeddings=262144, aux_layer_ids=[2, 30, 58],
+                             dtype="bfloat16")
+    assert out["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert out["max_position_embeddings"] == 262144
+    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True}
+    assert out["vocab_size"] == 163840 and out["draft_vocab_size"] == 32000
+    assert out["rope_theta"] == 1e6 and out["rope_scaling"] is None
+    assert out["tie_word_embeddings"] is False and out["num_hidden_layers"] == 1
+    assert out["torch_dtype"] == "bfloat16"
+    assert spec.sglang_config_problems(out, vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144,
+                                       aux_layer_ids=[2, 30, 58], dtype="bfloat16", rope=(1e6, None)) == []
+    # the drafter as shipped (131072, ids from another capture) fails with both named
+    probs = spec.sglang_config_problems(cfg, vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144,
+                                        aux_layer_ids=[2, 30, 58], dtype="bfloat16")
+    text = "\n".join(probs)
+    assert "max_position_embeddings=131072" in text and "262144" in text
+    assert "captured with layer ids [2, 30, 58]" in text
+
+
+def test_sglang_config_problems_catch_each_silent_trap():
+    good = spec.sglang_config(DrafterConfig(**TINY).to_hf_dict(), vocab_size=50, max_position_embeddings=256,
+                              aux_layer_ids=[0, 2, 4], dtype="bfloat16")
+    kw = dict(vocab_size=50, draft_vocab_size=12, max_position_embeddings=256, aux_layer_ids=[0, 2, 4],
+              dtype="bfloat16", rope=(10000.0, None))
+    assert spec.sglang_config_problems(good, **kw) == []
+    cases = {
+        "tie_word_embeddings": ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+        "no eagle_config": ({"eagle_config": None}, "no eagle_config"),
+        "vocab": ({"vocab_size": 12}, "vocab_size=12"),
+        "draft vocab": ({"draft_vocab_size": 50}, "draft_vocab_size=50"),
+        "rope": ({"rope_theta": 5e5}, "rope settings"),
+        "arch": ({"architectures": ["LlamaForCausalLM"]}, "architectures="),
+        "dtype": ({"torch_dtype": "float32"}, "torch_dtype='float32'"),
+    }
+    for name, (change, needle) in cases.items():
+        probs = spec.sglang_config_problems({**good, **change}, **kw)
+        assert any(needle in p for p in probs), (name, probs)
+
+
+def test_speculators_config_fields_and_inverse():
+    sg = spec.sglang_config(DrafterConfig(**K25).to_hf_dict(), vocab_size=163840, max_position_embeddings=262144,
+                            aux_layer_ids=[2, 30, 58], dtype="bfloat16")
+    sp = spec.speculators_config(sg, hf_indices=[3, 31, 59], verifier_path="/models/Kimi-K2.5",
+                                 verifier_architectures=["KimiK25ForConditionalGeneration"], speculative_tokens=3)
+    assert sp["architectures"] == ["Eagle3Speculator"] and sp["speculators_model_type"] == "eagle3"
+    assert sp["norm_before_residual"] is False
+    assert sp["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]  # vLLM: HF indices
+    assert sp["draft_vocab_size"] == 32000 and sp["target_hidden_size"] == 7168
+    layer = sp["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["vocab_size"] == 163840
+    assert layer["max_position_embeddings"] == 262144 and layer["num_hidden_layers"] == 1
+    sc = sp["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 3,
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert sc["verifier"] == {"name_or_path": "/models/Kimi-K2.5",
+                              "architectures": ["KimiK25ForConditionalGeneration"]}
+    kw = dict(vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144, dtype="bfloat16",
+              rope=(1e6, None))
+    assert spec.speculators_config_problems(sp, hf_indices=[3, 31, 59], **kw) == []
+    assert any("HF indices" in p for p in spec.speculators_config_problems(sp, hf_indices=[2, 30, 58], **kw))
+    broken = {**sp, "norm_before_residual": None, "speculators_config": {**sc, "verifier": {}}}
+    text = "\n".join(spec.speculators_config_problems(broken, hf_indices=[3, 31, 59], **kw))
+    assert "norm_before_residual" in text and "verifier.name_or_path" in text
+    # back to an SGLang config our DrafterConfig parses to the same drafter
+    back = DrafterConfig.from_hf_dict(spec.sglang_from_speculators(sp))
+    assert back == DrafterConfig.from_hf_dict(sg)
+
+
+def test_rope_settings_reads_transformers5_rope_parameters():
+    assert spec.rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}) == (5e5, None)
+    theta, scaling = spec.rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
+    assert theta == 5e5 and scaling == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(KeyError, match="rope_theta"):
+        spec.rope_settings({})

@@ -1,0 +1,117 @@
+"""A reduced mini world built end to end through `run_mini_world` (tiny sizes, seconds), its
+artifacts loadable, the held-out corpora disjoint from training, and a rerun reused."""
+import json
+
+import pytest
+import torch
+
+from data.corpus import iter_raw_records
+from data.mini_world.build import run_mini_world
+from eagle3.conf import compose, to_schema
+from eagle3.manifest import read_manifest
+from eagle3.schema.mini_world import MiniWorldConfig
+
+TINY = [
+    "split.max_records=400", "split.eval_conversations=8", "split.corpus_conversations_k2=12",
+    "split.corpus_conversations_k25=10", "tokenizer.vocab_size=400", "tokenizer.max_chars=200000",
+    "tokenizer.max_chars_per_conversation=1500", "max_tokens_per_conversation=96", "max_eval_tokens=400",
+    "model.hidden_size=32", "model.intermediate_size=64", "model.moe_intermediate_size=16",
+    "model.n_routed_experts=4", "model.q_lora_rank=16", "model.kv_lora_rank=8", "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.num_attention_heads=2",
+    "k2_train.steps=6", "k2_train.batch_size=4", "k2_train.seq_len=64", "k2_train.warmup_steps=2",
+    "k25_train.steps=4", "k25_train.batch_size=4", "k25_train.seq_len=64", "k25_train.warmup_steps=1",
+    "num_threads=1",  # tiny ops: one thread is fastest, and tests run next to other jobs
+]
+
+
+def tiny_config(root, *extra):
+    return to_schema(compose("mini_world", [f"paths.root={root}", *TINY, *extra]), MiniWorldConfig)
+
+
+@pytest.fixture(scope="module")
+def tiny_world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mw")
+    cfg = tiny_config(root)
+    out = run_mini_world(cfg)
+    return cfg, out
+
+
+def test_tiny_world_artifacts_load(tiny_world):
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    cfg, out = tiny_world
+    assert out == __import__("pathlib").Path(cfg.out_dir)
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    assert len(tok) == 400 and "<|im_assistant|>" in tok.chat_template
+    k2 = DeepseekV3ForCausalLM.from_pretrained(str(out / "k2-mini"))
+    assert k2.config.num_hidden_layers == 8 and k2.config.vocab_size == 400 and k2.config.num_mtp_layers == 0
+    k25 = Kimi_K25ForConditionalGeneration.from_pretrained(str(out / "k25-mini"))
+    kcfg = json.loads((out / "k25-mini" / "config.json").read_text())
+    assert kcfg["model_type"] == "kimi_k25" and kcfg["tie_word_embeddings"] is False
+    # k25-mini was trained further: same shapes, different weights, different logits
+    ids = tok.apply_chat_template([{"role": "user", "content": "def f(x): return x"}], add_generation_prompt=True,
+                                  tokenize=False)
+    x = torch.tensor([tok(ids, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        a, b = k2(input_ids=x).logits, k25(input_ids=x).logits
+    assert a.shape == b.shape and not torch.allclose(a, b)
+    gen = json.loads((out / "k2-mini" / "generation_config.json").read_text())
+    assert tok.convert_tokens_to_ids("<|im_end|>") in gen["eos_token_id"]
+
+
+def test_tiny_world_report_and_training_happened(tiny_world):
+    cfg, out = tiny_world
+    r = json.loads((out / "report.json").read_text())
+    assert r["source"]["read"] == 400 and r["tokenizer"]["vocab_size"] == 400
+    for name in ("k2-mini", "k25-mini"):
+        t = r["models"][name]["train"]
+        assert t["steps"] in (6, 4) and t["final_loss"] < t["first_loss"]  # it learned something
+        assert r["models"][name]["params"]["total"] > r["models"][name]["params"]["active_per_token"]
+        for dist in ("k2_mini", "k25_mini"):
+            p = r["perplexity"][name][dist]
+            assert 1 < p["ppl"] < 400 * 2 and 0 < p["tokens"] <= 400
+    assert 0 < r["token_shift"]["total_variation"] < 1
+    assert set(r["times_s"]) >= {"tokenizer", "k2-mini", "k25-mini", "perplexity", "total"}
+    m = read_manifest(out, "mini_world")
+    assert m["build_key"]["source_fingerprint"] and m["counts"] == r["parts"]
+
+
+def test_tiny_world_corpora_are_held_out(tiny_world):
+    cfg, out = tiny_world
+    corpora = {}
+    for name, n in (("k2_mini", 12), ("k25_mini", 10)):
+        rows = [json.loads(l) for l in (out / "corpus" / f"{name}.jsonl").read_text().splitlines()]
+        assert len(rows) == n
+        assert all(set(r) == {"id", "conversations"} and r["conversations"][0]["from"] for r in rows)
+        corpora[name] = {r["id"] for r in rows}
+    assert not corpora["k2_mini"] & corpora["k25_mini"]
+    # every corpus record is a real source record, verbatim
+    from data.corpus import sharegpt_package_path
+
+    with sharegpt_package_path() as p:
+        src = {}
+        for rec in iter_raw_records(p):
+            if rec.index >= 400:
+                break
+            src[rec.value["id"]] = rec.value
+    row = json.loads((out / "corpus" / "k25_mini.jsonl").read_text().splitlines()[0])
+    assert [t["value"] for t in row["conversations"]] == \
+        [t["value"] for t in src[row["id"]]["conversations"] if t["value"].strip()]
+
+
+def test_rerun_is_reused_and_changed_config_rebuilds(tiny_world, capsys):
+    cfg, out = tiny_world
+    before = (out / "manifest.json").stat().st_mtime_ns
+    k2_before = (out / "k2-mini" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    run_mini_world(cfg)
+    assert "up to date" in capsys.readouterr().out
+    assert (out / "manifest.json").stat().st_mtime_ns == before
+    # a change that only affects k25-mini retrains only k25-mini (tokenizer and k2-mini reused)
+    cfg2 = tiny_config(out.parent, "k25_train.steps=3")
+    run_mini_world(cfg2)
+    log = capsys.readouterr().out
+    assert "tokenizer: reused" in log and "k2-mini: reused" in log and "k25-mini: loss" in log
+    assert (out / "k2-mini" / "model.safetensors").stat().st_mtime_ns == k2_before
+    assert json.loads((out / "report.json").read_text())["models"]["k25-mini"]["train"]["steps"] == 3

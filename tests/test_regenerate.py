@@ -1,0 +1,240 @@
+"""Regeneration: the multi-turn order, the resumable store, the hf backend (batched, both
+target layouts), and the openai backend against a real HTTP server on 127.0.0.1 serving the
+tiny K2.5-layout target, with resume and injected faults."""
+import json
+
+import datasets
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data.openai_server import ChatServer, FaultPlan, hf_generate_fn
+from data.prepare import Conversation, SkipCounter, run_prepare
+from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch)
+from eagle3.conf import compose, to_schema
+from eagle3.manifest import read_manifest
+from eagle3.schema.prepare import PrepareConfig
+from eagle3.target_io import load_target
+
+MAX_NEW = 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two
+    threads fighting other processes for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def conv(cid, *turns):
+    return {"id": cid, "conversations": [{"from": r, "value": v} for r, v in turns]}
+
+
+CONVS = [conv("a", ("human", "What is a cat?"), ("gpt", "An animal.")),
+         conv("b", ("system", "Be brief."), ("human", "Hi"), ("gpt", "Hello!"), ("human", "And?"), ("gpt", "Bye.")),
+         conv("c", ("human", "Count to three"), ("gpt", "1 2 3")),
+         conv("d", ("human", "x"), ("gpt", "y"), ("human", "z"), ("gpt", "w"), ("human", "q"), ("gpt", "r"))]
+N_TURNS = 1 + 2 + 1 + 3
+
+
+def write_corpus(path, rows=CONVS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def regen_config(tmp_path, target, corpus, backend, *overrides):
+    cfg = compose("prepare", [f"paths.root={tmp_path}", f"target.path={target}", f"target.tokenizer={target}",
+                              f"input={corpus}", f"regenerate.backend={backend}",
+                              f"regenerate.max_new_tokens={MAX_NEW}", "validation_fraction=0.0", *overrides])
+    return to_schema(cfg, PrepareConfig)
+
+
+def test_multi_turn_prompts_include_earlier_regenerated_turns():
+    prompts = []
+
+    def fake_generate(batch):  # a deterministic "model": answers with the length of its prompt
+        prompts.extend(batch)
+        return [(f"R{len(p)}", "stop") for p in batch]
+
+    c = Conversation("x", [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "old0"},
+                           {"role": "user", "content": "u1"}, {"role": "assistant", "content": "old1"}])
+    single = Conversation("y", [{"role": "user", "content": "v0"}, {"role": "assistant", "content": "old"}])
+    (msgs, fins), (msgs2, _) = regenerate_batch([c, single], fake_generate)
+    assert [m["content"] for m in msgs] == ["u0", "R1", "u1", "R3"]
+    assert fins == ["stop", "stop"] and [m["content"] for m in msgs2] == ["v0", "R1"]
+    # round 2 saw the regenerated first answer, never the original
+    assert prompts[2] == [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "R1"},
+                          {"role": "user", "content": "u1"}]
+    assert all("old" not in m["content"] for p in prompts for m in p)
+
+
+def test_store_resumes_and_cuts_a_partial_last_line(tmp_path):
+    path, settings = tmp_path / "s.jsonl", {"backend": "x", "temperature": 0.0}
+    store = RegenStore(path, settings)
+    store.append("a", [{"role": "assistant", "content": "1"}], ["stop"])
+    store.append("b", [{"role": "assistant", "content": "2"}], ["length"])
+    with open(path, "ab") as f:
+        f.write(b'{"id": "c", "messages": [{"ro')  # a kill in the middle of a write
+    again = RegenStore(path, settings)
+    assert "a" in again and "b" in again and "c" not in again
+    assert again.get("b")["finish_reasons"] == ["length"]
+    again.append("c", [], [])
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()[1:]] == ["a", "b", "c"]
+    with pytest.raises(RegenerateError, match="other generation settings"):
+        RegenStore(path, {**settings, "temperature": 0.7})
+
+
+@pytest.fixture(scope="module")
+def k25_generator(tiny_k25_target):
+    tok = AutoTokenizer.from_pretrained(str(tiny_k25_target))
+    model, text_config = load_target(tiny_k25_target, "kimi_k25", dtype="float32")
+    return HFGenerator(model, tok, max_new_tokens=MAX_NEW, max_positions=text_config["max_position_embeddings"])
+
+
+def test_hf_generator_batched_equals_one_by_one(k25_generator):
+    prompts = [[{"role": "user", "content": "hello there, how are you?"}], [{"role": "user", "content": "x"}],
+               [{"role": "system", "content": "s"}, {"role": "user", "content": "a longer question here"}]]
+    batched = k25_generator.generate(prompts)
+    single = [k25_generator.generate([p])[0] for p in prompts]
+    assert batched == single
+    assert all(reason in ("stop", "length") for _, reason in batched)
+
+
+def test_hf_backend_regenerates_every_assistant_turn(tmp_path, tiny_k2_target, tiny_k25_target, k25_generator):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    results = {}
+    for layout, target in (("causal_lm", tiny_k2_target), ("kimi_k25", tiny_k25_target)):
+        cfg = regen_config(tmp_path, target, corpus, "hf", f"target.layout={layout}", "regenerate.batch_size=3",
+                           f"out_dir={tmp_path}/{layout}")
+        out = run_prepare(cfg)
+        m = read_manifest(out, "prepare")
+        assert m["regenerate"]["generated"] == len(CONVS) and m["regenerate"]["turns"] == N_TURNS
+        store = [json.loads(line) for line in open(m["regenerate"]["store"])][1:]
+        results[layout] = {r["id"]: r["messages"] for r in store}
+    # both layouts hold the same text weights: the same greedy answers
+    assert results["causal_lm"] == results["kimi_k25"]
+    b = results["kimi_k25"]["b"]
+    assert [m["role"] for m in b] == ["system", "user", "assistant", "user", "assistant"]
+    assert b[3]["content"] == "And?"  # user turns are kept
+    expected_first = k25_generator.generate([b[:2]])[0][0]
+    assert b[2]["content"] == expected_first  # turn 1 from the prompt; turn 2 from the regenerated history
+    assert b[4]["content"] == k25_generator.generate([b[:4]])[0][0]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_k25_target):
+    """The tiny K2.5 target behind a real HTTP server; faults are set per test."""
+    gen = hf_generate_fn(str(tiny_k25_target), str(tiny_k25_target), "kimi_k25")
+    server = ChatServer(gen).start()
+    yield server
+    server.stop()
+
+
+def reset_server(server, faults=None):
+    server.faults = faults or FaultPlan()
+    server.request_log.clear()
+    server._count = 0
+
+
+def test_openai_backend_against_a_real_server_with_resume(tmp_path, tiny_k25_target, served, k25_generator):
+    reset_server(served)
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    over = [f"regenerate.openai.base_url={served.url}", "regenerate.openai.concurrency=3"]
+    cfg = regen_config(tmp_path, tiny_k25_target, corpus, "openai", *over)
+    out = run_prepare(cfg)
+    m = read_manifest(out, "prepare")
+    assert m["regenerate"]["generated"] == len(CONVS) and m["counts"]["kept"] == len(CONVS)
+    assert len(served.request_log) == N_TURNS
+    regenerated = {r["id"]: r["messages"] for r in map(json.loads, open(m["regenerate"]["store"])) if "id" in r}
+    for cid, msgs in regenerated.items():  # the server's answers are the target's greedy answers
+        for k, msg in enumerate(msgs):
+            if msg["role"] == "assistant":
+                assert msg["content"] == k25_generator.generate([msgs[:k]])[0][0]
+    train = datasets.load_from_disk(str(out / "train"))
+    tok = AutoTokenizer.from_pretrained(str(tiny_k25_target))
+    row = train[list(train["id"]).index("a")]
+    trained = tok.decode([t for t, l in zip(row["input_ids"], row["loss_mask"]) if l])
+    assert trained == regenerated["a"][1]["content"] + "<|im_end|>"
+
+    # resume: drop the last two finished conversations as if the run had been killed
+    store = m["regenerate"]["store"]
+    lines = open(store).read().splitlines(keepends=True)
+    open(store, "w").writelines(lines[:-2] + [lines[-2][:15]])
+    lost = {json.loads(line)["id"] for line in lines[-2:]}
+    reset_server(served)
+    (out / "manifest.json").unlink()
+    m2 = read_manifest(run_prepare(cfg), "prepare")
+    assert m2["regenerate"]["resumed"] == len(CONVS) - 2 and m2["regenerate"]["generated"] == 2
+    assert len(served.request_log) == sum(len(regenerated[i]) // 2 for i in lost)
+    again = {r["id"]: r["messages"] for r in map(json.loads, open(store)) if "id" in r}
+    assert again == regenerated  # greedy: the redone ones are the same
+
+
+def test_client_retries_every_fault_kind(served):
+    reset_server(served, FaultPlan(script=["500", "reset", "malformed", "truncated", "empty", "429", "503", "slow"],
+                                   slow_s=0.01))
+    sleeps = []
+    client = ChatClient(served.url, "default", max_retries=8, backoff_s=0.001, backoff_max_s=0.002,
+                        max_tokens=MAX_NEW, sleep=sleeps.append)
+    text, reason = client.complete([{"role": "user", "content": "hi"}])
+    assert isinstance(text, str) and reason in ("stop", "length")
+    assert [a for _, a in served.request_log] == ["500", "reset", "malformed", "truncated", "empty", "429", "503", "slow"]
+    assert client.retries == 7 and len(sleeps) == 7
+    client.close()
+
+
+def test_timeouts_are_retried_and_exhausted_retries_fail_the_conversation(served):
+    reset_server(served, FaultPlan(script=["hang"], hang_s=30.0))  # stop() ends the hang
+    client = ChatClient(served.url, "default", timeout_s=3.0, max_retries=2, backoff_s=0.0, max_tokens=MAX_NEW)
+    client.complete([{"role": "user", "content": "hi"}])
+    assert [a for _, a in served.request_log] == ["hang", "ok"]
+    reset_server(served, FaultPlan(script=["500"] * 3))
+    with pytest.raises(GenerationFailed, match="gave up after 3 attempts; last: HTTP 500"):
+        client.complete([{"role": "user", "content": "hi"}])
+    client.close()
+    bad = ChatClient(served.url, "default", max_retries=3, backoff_s=0.0)
+    reset_server(served)
+    with pytest.raises(GenerationFailed, match="HTTP 400"):  # a client error is not retried
+        bad.complete([{"role": "user", "content": 5}])
+    assert len(served.request_log) == 1  # one attempt: a 400 is not retried
+
+
+def test_failed_conversations_are_counted_then_done_on_rerun(tmp_path, tiny_k25_target, served):
+    # one conversation fails every attempt (3 x 500); the rest succeed; a rerun finishes it
+    reset_server(served, FaultPlan(script=["500", "500", "500"]))
+    corpus = write_corpus(tmp_path / "c.jsonl", CONVS[:1] + CONVS[2:3])
+    cfg = regen_config(tmp_path, tiny_k25_target, corpus, "openai", f"regenerate.openai.base_url={served.url}",
+                       "regenerate.openai.concurrency=1", "regenerate.openai.max_retries=2",
+                       "regenerate.openai.backoff_s=0")
+    m = read_manifest(run_prepare(cfg), "prepare")
+    assert m["counts"]["skipped"]["regen_failed"] == 1 and m["counts"]["kept"] == 1
+    assert "gave up after 3 attempts" in m["skip_examples"]["regen_failed"][0]
+    reset_server(served)
+    m2 = read_manifest(run_prepare(cfg), "prepare")
+    assert m2["counts"]["skipped"]["regen_failed"] == 0 and m2["counts"]["kept"] == 2
+    assert m2["regenerate"]["resumed"] == 1 and len(served.request_log) == 1
+
+
+def test_unreachable_server_fails_clearly(tmp_path, tiny_k25_target):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    cfg = regen_config(tmp_path, tiny_k25_target, corpus, "openai", "regenerate.openai.base_url=http://127.0.0.1:9/v1",
+                       "regenerate.openai.max_retries=1", "regenerate.openai.backoff_s=0")
+    with pytest.raises(RegenerateError, match="cannot reach .*127.0.0.1:9"):
+        run_prepare(cfg)
+    assert SkipCounter().total == 0
+
+
+def test_hf_prompt_too_long_fails_only_that_conversation(tmp_path, tiny_k25_target, k25_generator, monkeypatch):
+    from data import regenerate
+
+    short = HFGenerator(k25_generator.model, k25_generator.tok, max_new_tokens=MAX_NEW, max_positions=60)
+    monkeypatch.setattr(regenerate.HFGenerator, "from_target", classmethod(lambda cls, *a: short))
+    rows = CONVS[:1] + [conv("long", ("human", "word " * 80), ("gpt", "x"))] + CONVS[2:3]
+    corpus = write_corpus(tmp_path / "c.jsonl", rows)
+    cfg = regen_config(tmp_path, tiny_k25_target, corpus, "hf", "regenerate.batch_size=4")
+    m = read_manifest(run_prepare(cfg), "prepare")
+    assert m["counts"]["kept"] == 2 and m["counts"]["skipped"]["regen_failed"] == 1
+    assert "exceeds the target's 60 positions" in m["skip_examples"]["regen_failed"][0]

@@ -1,0 +1,107 @@
+"""Bad input to the train stage: each case is a clear error naming the problem, before any
+work, or (non-finite loss) a stop naming the step and sequences without a corrupt checkpoint."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import eagle3.unroll
+from eagle3.store import HiddenStateWriter
+from test_train import config_for, one_thread, world  # noqa: F401  (fixtures)
+from train.inputs import TrainInputError
+from train.loop import NonFiniteLossError, run_train
+
+
+def copy_world(world, tmp_path) -> dict:
+    new = dict(world)
+    for key in ("capture", "vocab"):
+        dst = tmp_path / "w" / key
+        shutil.copytree(world[key], dst)
+        new[key] = dst
+    return new
+
+
+def test_vocab_for_another_target_is_refused(world, tmp_path):
+    w = copy_world(world, tmp_path)
+    path = w["vocab"] / "vocab.safetensors"
+    t = load_file(str(path))
+    t["t2d"] = torch.cat([t["t2d"], torch.zeros(8, dtype=torch.bool)])
+    save_file(t, str(path))
+    with pytest.raises(TrainInputError, match="t2d covers 520 ids but the captured target's vocab is 512"):
+        run_train(config_for(w, tmp_path / "o", "scratch"))
+
+
+def test_empty_split_is_refused(world, tmp_path):
+    w = copy_world(world, tmp_path)
+    shutil.rmtree(w["capture"] / "train")
+    HiddenStateWriter(w["capture"] / "train", hidden_size=64, target_hidden_size=64, aux_layer_ids=world["aux_ids"],
+                      hf_indices=[i + 1 for i in world["aux_ids"]]).finish()
+    with pytest.raises(TrainInputError, match="holds no sequences"):
+        run_train(config_for(w, tmp_path / "o", "scratch"))
+
+
+def test_states_captured_from_another_target_are_refused(world, tmp_path):
+    w = copy_world(world, tmp_path)
+    m = json.loads((w["capture"] / "manifest.json").read_text())
+    m["target"]["config_sha256"] = "0" * 64
+    (w["capture"] / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TrainInputError, match="captured from .* differs from the configured target"):
+        run_train(config_for(w, tmp_path / "o", "scratch"))
+
+
+def test_init_drafter_reading_other_layers_is_refused(world, tmp_path):
+    w = copy_world(world, tmp_path)
+    old = tmp_path / "old"
+    shutil.copytree(world["old_drafter"], old)
+    cfg = json.loads((old / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]
+    (old / "config.json").write_text(json.dumps(cfg))
+    w["old_drafter"] = old
+    with pytest.raises(TrainInputError, match=r"aux_layer_ids.*\[0, 2, 5\]"):
+        run_train(config_for(w, tmp_path / "o", "aqmedai_k2"))
+
+
+def test_missing_vocab_stage_names_the_file(world, tmp_path):
+    w = copy_world(world, tmp_path)
+    (w["vocab"] / "vocab.safetensors").unlink()
+    with pytest.raises(TrainInputError, match="vocab.safetensors: missing; run the vocab stage"):
+        run_train(config_for(w, tmp_path / "o", "scratch"))
+
+
+class NaNTeacherAt:
+    """Wraps eagle3.unroll.teacher_logits: call number `n` (1-based) returns NaN logits."""
+
+    def __init__(self, n):
+        self.n, self.calls, self.real = n, 0, eagle3.unroll.teacher_logits
+
+    def __call__(self, last, rows):
+        self.calls += 1
+        out = self.real(last, rows)
+        return out * float("nan") if self.calls == self.n else out
+
+
+def test_nonfinite_loss_stops_naming_step_and_sequences(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(eagle3.unroll, "teacher_logits", NaNTeacherAt(7))
+    out = tmp_path / "nan"
+    # no validation: every teacher call is one training micro-batch, so call 7 is step 7
+    cfg = config_for(world, out, "scratch", max_steps=10, epochs="null", **{"data.val_split": ""})
+    with pytest.raises(NonFiniteLossError, match=r"step 7, micro-batch 0 \(sequences \['train-\d+'"):
+        run_train(cfg)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004"]
+    assert not (out / "final").exists() and not (out / "manifest.json").exists()
+    ckpt = load_file(str(out / "checkpoints" / "step-000004" / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in ckpt.values() if v.is_floating_point())
+
+
+def test_nonfinite_loss_can_be_skipped_and_counted(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(eagle3.unroll, "teacher_logits", NaNTeacherAt(3))
+    out = tmp_path / "skip"
+    cfg = config_for(world, out, "scratch", max_steps=6, epochs="null", on_nonfinite="skip",
+                     **{"data.val_split": ""})
+    run_train(cfg)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["steps"] == 6 and m["nonfinite_skips"] == 1
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())

@@ -1,0 +1,1 @@
+"""The train stage: accelerate training loop over captured hidden states (entry: train/run.py)."""

@@ -1,0 +1,175 @@
+"""Training checkpoints: `out_dir/checkpoints/step-NNNNNN/` holding a drafter directory (the
+shared layout, loadable by eval/export) plus `training_state.pt` (fp32 trainable weights,
+optimizer, scheduler, RNG, data position, counters) and `checkpoint.json` (sha256 of each file).
+
+Atomicity: a checkpoint is written into `checkpoints/.tmp-step-NNNNNN-<pid>/`, fsynced, then
+renamed to its final name, so a `step-*` directory is always complete; leftovers of a killed
+write are `.tmp-*` directories, deleted on the next start. A checkpoint whose files do not match
+`checkpoint.json` (truncated / bit-flipped) is refused with its path named. Only rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from eagle3.manifest import atomic_write_json, sha256_file
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+STATE_FILE = "training_state.pt"
+INDEX_FILE = "checkpoint.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (corrupt, or from an incompatible run)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], None], state: dict,
+                    keep_last: int) -> Path:
+    """Write checkpoint `step` atomically; `write_drafter(dir)` writes the drafter directory files.
+    Keeps the newest `keep_last` checkpoints (0 = keep all). Returns the final directory."""
+    ckpt_root = Path(ckpt_root)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write_drafter(tmp)
+        torch.save(state, tmp / STATE_FILE)
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / INDEX_FILE, {"step": step, "files": files})
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a re-run of the same step after a crash between rename and prune
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_checkpoints(ckpt_root, keep_last)
+    return final
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for p in ckpt_root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    for _, p in list_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_partial_checkpoints(ckpt_root: Path) -> list[str]:
+    """Delete `.tmp-*` leftovers of a killed write; returns their names."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    gone = []
+    for p in ckpt_root.iterdir():
+        if p.name.startswith(".tmp-"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file against checkpoint.json; raise CheckpointError naming the bad file."""
+    path = Path(path)
+    index_path = path / INDEX_FILE
+    what_to_do = f"delete {path} to resume from the previous checkpoint (or start over in a new out_dir)"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: unreadable checkpoint index ({e}); {what_to_do}") from e
+    for name, meta in index["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from checkpoint; {what_to_do}")
+        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
+            raise CheckpointError(f"{f}: does not match its checksum in {INDEX_FILE} (truncated or corrupt); {what_to_do}")
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    verify_checkpoint(path)
+    try:
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as e:  # verified bytes that still do not unpickle: written by another version
+        raise CheckpointError(f"{Path(path) / STATE_FILE}: cannot be loaded ({e})") from e
+
+
+def latest_checkpoint(ckpt_root: Path) -> Optional[tuple[int, Path]]:
+    found = list_checkpoints(ckpt_root)
+    return found[-1] if found else None
+
+
+def read_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The drafter weights of a checkpoint (fp32 master weights, SGLang names, no embeddings)."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / "model.safetensors"
+    try:
+        return load_file(str(f))
+    except Exception as e:
+        raise CheckpointError(f"{f}: cannot be read ({e}); delete {path} to resume from the previous checkpoint") from e

@@ -1,0 +1,107 @@
+"""The accelerate side of training: the Accelerator (CPU / one GPU / DDP / FSDP), the optimizer
+and schedule, and full (un-sharded) state dicts for checkpoints under any of those wrappers.
+
+Everything that knows about accelerate or torch.distributed lives here; the drafter and the
+objective (eagle3/) know nothing of it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from train.schedule import resolve_warmup, warmup_cosine
+
+log = logging.getLogger(__name__)
+
+
+def mixed_precision(config) -> str:
+    """accelerate's mixed_precision: bf16 autocast on GPU (auto), fp32 ("no") on CPU."""
+    on_gpu = torch.cuda.is_available() and not config.cpu
+    if config.precision == "auto":
+        return "bf16" if on_gpu else "no"
+    return config.precision
+
+
+def make_accelerator(config):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    kwargs = {}
+    if config.fsdp:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        # One FSDP unit over the whole objective (a one-layer drafter); use_orig_params because the
+        # frozen target embedding sits next to trainable weights; full state dicts for checkpoints.
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=1, sharding_strategy="FULL_SHARD", use_orig_params=True,
+            state_dict_type="FULL_STATE_DICT", sync_module_states=False, cpu_ram_efficient_loading=False)
+    # Buffers (d2t / t2d) never change during training: no per-step broadcast.
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=False)
+    return Accelerator(mixed_precision=mixed_precision(config), gradient_accumulation_steps=config.grad_accum,
+                       cpu=config.cpu, kwargs_handlers=[ddp], **kwargs)
+
+
+def uses_fsdp(accelerator) -> bool:
+    """Whether accelerate actually wrapped with FSDP (it does so on GPUs only; CPU runs get DDP)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def make_optimizer(params, optim_conf, device: torch.device) -> torch.optim.AdamW:
+    fused = optim_conf.fused
+    if fused is None:
+        fused = device.type == "cuda"
+    extra = {"fused": True} if fused else {"foreach": device.type == "cuda"}
+    return torch.optim.AdamW(params, lr=optim_conf.lr, betas=tuple(optim_conf.betas), eps=optim_conf.eps,
+                             weight_decay=optim_conf.weight_decay, **extra)
+
+
+def make_scheduler(optimizer, optim_conf, total_steps: int) -> tuple[LambdaLR, int]:
+    """Warmup + cosine over `total_steps`; stepped once per optimizer step (never through
+    accelerate, whose scheduler wrapper steps num_processes times per call)."""
+    warmup = resolve_warmup(total_steps, optim_conf.warmup_steps, optim_conf.warmup_ratio)
+    min_ratio = optim_conf.min_lr_ratio
+    return LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup, min_ratio)), warmup
+
+
+def full_model_state(accelerator, model) -> Optional[dict]:
+    """Full state dict of the (possibly wrapped) objective on rank 0 (None elsewhere); collective
+    under FSDP, so every rank must call it."""
+    state = accelerator.get_state_dict(model)
+    return state if accelerator.is_main_process else None
+
+
+def full_optimizer_state(accelerator, model, optimizer, fsdp: bool) -> Optional[dict]:
+    """Un-sharded optimizer state on rank 0 (collective under FSDP)."""
+    if not fsdp:
+        return optimizer.state_dict() if accelerator.is_main_process else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if accelerator.is_main_process else None
+
+
+def load_optimizer_state(model, optimizer, state: dict, fsdp: bool) -> None:
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    if not fsdp:
+        inner.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, inner, state, options=StateDictOptions(full_state_dict=True,
+                                                                           broadcast_from_rank0=False))
+
+
+def peak_memory() -> dict:
+    """Peak allocated / reserved GiB since the last call (CUDA only), then reset the peaks."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {"gpu_mem_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "gpu_mem_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return out

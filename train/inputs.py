@@ -1,0 +1,141 @@
+"""What the train stage reads, opened and cross-checked before any work: the capture stage's
+stores, the vocab stage's mapping, the target's lm_head rows, and the drafter to start from.
+
+Every mismatch is reported with the file and what to change: store hidden size / aux width /
+aux layers vs the drafter, the store's target vs the configured target (config sha), target
+vocab size vs t2d and the drafter, target_argmax ids outside the vocab, empty splits.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eagle3.manifest import ManifestError, fingerprint, read_manifest
+from eagle3.store import HiddenStateStore, StoreError
+
+log = logging.getLogger(__name__)
+VOCAB_FILE = "vocab.safetensors"
+
+
+class TrainInputError(ValueError):
+    """Inputs that cannot be trained on together; the message says which and what to do."""
+
+
+@dataclass
+class TrainInputs:
+    train: HiddenStateStore
+    val: Optional[HiddenStateStore]
+    d2t: torch.Tensor            # int64 [draft_V]
+    t2d: torch.Tensor            # bool [V]
+    capture_manifest: dict
+    vocab_manifest: dict
+    fingerprints: dict           # role -> manifest sha256 of each input stage directory
+    warnings: list
+
+
+def _open_store(path: Path, verify: str, role: str) -> HiddenStateStore:
+    try:
+        store = HiddenStateStore(path, verify=verify)
+    except StoreError as e:
+        raise TrainInputError(f"{role} store: {e}") from e
+    if len(store) == 0:
+        raise TrainInputError(f"{role} store {path} holds no sequences (empty split); capture more data "
+                              f"or point capture_dir elsewhere")
+    return store
+
+
+def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(vocab_dir) / VOCAB_FILE
+    if not path.is_file():
+        raise TrainInputError(f"{path}: missing; run the vocab stage (make vocab) first")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise TrainInputError(f"{path}: unreadable ({e}); rerun the vocab stage") from e
+    missing = [k for k in ("d2t", "t2d") if k not in tensors]
+    if missing:
+        raise TrainInputError(f"{path}: lacks {missing}")
+    return tensors["d2t"].long(), tensors["t2d"].bool()
+
+
+def open_inputs(config) -> TrainInputs:
+    capture_dir, vocab_dir = Path(config.capture_dir), Path(config.vocab_dir)
+    try:
+        capture_manifest = read_manifest(capture_dir, "capture")
+        vocab_manifest = read_manifest(vocab_dir, "vocab")
+        fps = {"capture": fingerprint(capture_dir), "vocab": fingerprint(vocab_dir)}
+    except ManifestError as e:
+        raise TrainInputError(str(e)) from e
+    warnings = []
+    train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
+    val = None
+    if config.data.val_split:
+        vdir = capture_dir / config.data.val_split
+        if (vdir / "manifest.json").is_file():
+            val = _open_store(vdir, config.data.verify, "validation")
+        else:
+            warnings.append(f"no validation store at {vdir}: validation is skipped")
+    d2t, t2d = load_vocab(vocab_dir)
+    _check_target_of_capture(config, capture_manifest, t2d, warnings)
+    prep_c = (capture_manifest.get("inputs") or {}).get("prepare", {}).get("fingerprint")
+    prep_v = (vocab_manifest.get("inputs") or {}).get("prepare", {}).get("fingerprint")
+    if prep_c and prep_v and prep_c != prep_v:
+        warnings.append(f"vocab ({vocab_dir}) and capture ({capture_dir}) were built from different prepared "
+                        f"datasets; fine if both use the same tokenizer, otherwise rebuild the vocab")
+    for store, role in ((train, "train"), (val, "validation")):
+        if store is None:
+            continue
+        if store.aux_layer_ids != train.aux_layer_ids or store.hidden_size != train.hidden_size:
+            raise TrainInputError(f"{role} store {store.dir}: aux layers {store.aux_layer_ids} / hidden "
+                                  f"{store.hidden_size} differ from the train store's ({train.aux_layer_ids} / "
+                                  f"{train.hidden_size}); capture both splits with the same settings")
+    return TrainInputs(train, val, d2t, t2d, capture_manifest, vocab_manifest, fps, warnings)
+
+
+def _check_target_of_capture(config, capture_manifest: dict, t2d: torch.Tensor, warnings: list) -> None:
+    tgt = capture_manifest.get("target") or {}
+    cfg_path = Path(config.target.path) / "config.json"
+    if tgt.get("config_sha256") and cfg_path.is_file():
+        sha = hashlib.sha256(cfg_path.read_bytes()).hexdigest()
+        if sha != tgt["config_sha256"]:
+            raise TrainInputError(f"the hidden states in {config.capture_dir} were captured from {tgt.get('path')}, "
+                                  f"whose config.json differs from the configured target {config.target.path}; "
+                                  f"use the matching target=... or recapture")
+    V = tgt.get("vocab_size")
+    if V is not None and int(V) != t2d.numel():
+        raise TrainInputError(f"vocab stage's t2d covers {t2d.numel()} ids but the captured target's vocab is {V} "
+                              f"({config.vocab_dir} vs {config.capture_dir}); rebuild the vocab for this target")
+
+
+def check_store_fits_drafter(store: HiddenStateStore, drafter, role: str) -> None:
+    """The store's widths and layers are the drafter's (fc input 3 x target H, hidden H, aux ids)."""
+    cfg = drafter.config
+    problems = []
+    aux_width = len(store.aux_layer_ids) * store.target_hidden_size
+    if aux_width != drafter.fc.in_features:
+        problems.append(f"aux width {len(store.aux_layer_ids)} x {store.target_hidden_size} = {aux_width} != the "
+                        f"drafter's fc input {drafter.fc.in_features}")
+    if store.hidden_size != cfg.hidden_size:
+        problems.append(f"`last` width (target hidden) {store.hidden_size} != drafter hidden_size {cfg.hidden_size}")
+    if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != store.aux_layer_ids:
+        problems.append(f"captured at layer ids {store.aux_layer_ids}, the drafter reads {list(cfg.aux_layer_ids)}")
+    if problems:
+        raise TrainInputError(f"{role} store {store.dir} does not fit the drafter: " + "; ".join(problems)
+                              + ". Recapture with the drafter's settings or pick the matching init.")
+
+
+def check_vocab_fits_drafter(d2t: torch.Tensor, t2d: torch.Tensor, drafter, vocab_dir) -> None:
+    cfg = drafter.config
+    if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
+        raise TrainInputError(f"{vocab_dir}/{VOCAB_FILE}: d2t [{d2t.numel()}] / t2d [{t2d.numel()}] do not fit the "
+                              f"drafter (draft_vocab_size {cfg.draft_vocab_size}, vocab_size {cfg.vocab_size})")
+    if not torch.equal(drafter.d2t.cpu(), d2t) or not torch.equal(drafter.t2d.cpu(), t2d):
+        raise TrainInputError(f"the drafter's d2t/t2d differ from {vocab_dir}/{VOCAB_FILE}: the init must install "
+                              f"the vocab stage's mapping (and move lm_head rows accordingly)")

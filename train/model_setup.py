@@ -1,0 +1,73 @@
+"""The drafter training starts from, checked against its inputs before any work, and the
+writing of drafter directories (checkpoints and `final/`) from the live or gathered weights."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eagle3 import target_io
+from eagle3.drafter_io import assert_compatible, save_drafter_dir
+from eagle3.init_drafter import build_training_drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.vocab_map import ids_from_d2t
+from train.inputs import TrainInputError, check_store_fits_drafter, check_vocab_fits_drafter
+
+
+def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
+    """(fp32 drafter on CPU, report). The report carries `lm_head_rows` [draft_V, H]: the target's
+    lm_head rows of the draft vocab, read once from the checkpoint (the teacher)."""
+    store = inputs.train
+    new_ids = ids_from_d2t(inputs.d2t)
+    try:
+        drafter, report = build_training_drafter(
+            config.init.name, config.init.drafter_path, config.target.path, config.target.layout, new_ids,
+            aux_layer_ids=store.aux_layer_ids, new_row_init=config.init.new_row_init, dtype="float32")
+    except (ValueError, target_io.TargetError) as e:
+        raise TrainInputError(f"cannot build the init={config.init.name} drafter: {e}") from e
+    text = target_io.read_text_config(config.target.path, config.target.layout)
+    warnings = assert_compatible(drafter.config, text, store.aux_layer_ids, d2t=drafter.d2t, t2d=drafter.t2d)
+    report["compatibility"] = [str(w) for w in warnings]
+    check_vocab_fits_drafter(inputs.d2t, inputs.t2d, drafter, config.vocab_dir)
+    for s, role in ((store, "train"), (inputs.val, "validation")):
+        if s is not None:
+            check_store_fits_drafter(s, drafter, role)
+    rows = target_io.load_lm_head_rows(config.target.path, config.target.layout, new_ids)
+    if tuple(rows.shape) != (drafter.config.draft_vocab_size, store.hidden_size):
+        raise TrainInputError(f"target lm_head rows {tuple(rows.shape)} do not match the draft vocab x store hidden "
+                              f"({drafter.config.draft_vocab_size} x {store.hidden_size})")
+    report["lm_head_rows"] = rows
+    return drafter, report
+
+
+def drafter_from_state(drafter: Eagle3Drafter, state: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint weights (all but the frozen embeddings) into the drafter, strictly."""
+    missing, unexpected = drafter.load_state_dict({k: v.to(drafter.fc.weight.dtype) if v.is_floating_point() else v
+                                                   for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise TrainInputError(f"checkpoint weights do not fit the drafter: missing {missing}, unexpected {unexpected}")
+
+
+def write_drafter_dir(drafter: Eagle3Drafter, full_state: Optional[dict], out_dir: Path) -> Path:
+    """Write a drafter directory (fp32 master weights; export casts for serving). `full_state` is
+    the gathered state of the wrapped objective (keys `drafter.*`), needed when the live modules
+    hold only shards (FSDP); otherwise the live drafter is written directly."""
+    if full_state is None or _is_live(drafter, full_state):
+        return save_drafter_dir(drafter, out_dir, dtype=torch.float32)
+    with torch.device("meta"):
+        copy = Eagle3Drafter(drafter.config)
+    copy = copy.to_empty(device="cpu")
+    state = {k[len("drafter."):]: v.detach().cpu() for k, v in full_state.items() if k.startswith("drafter.")}
+    state.pop("embed_tokens.weight", None)
+    missing, unexpected = copy.load_state_dict(state, strict=False)
+    if [k for k in missing if k != "embed_tokens.weight"] or unexpected:
+        raise RuntimeError(f"gathered state does not fit the drafter: missing {missing}, unexpected {unexpected}")
+    return save_drafter_dir(copy, out_dir, dtype=torch.float32)
+
+
+def _is_live(drafter: Eagle3Drafter, full_state: dict) -> bool:
+    """True when the drafter's own parameters hold the full weights (no sharding)."""
+    w = full_state.get("drafter.fc.weight")
+    return w is not None and tuple(drafter.fc.weight.shape) == tuple(w.shape)

@@ -1,0 +1,25 @@
+"""Entry point of the train stage: `python train/run.py +init=aqmedai_k2` (or `+init=scratch`).
+
+Under several processes: `accelerate launch train/run.py +init=...` (DDP; add fsdp=true for FSDP).
+Rerunning the same command resumes from the newest checkpoint, or reuses a finished run.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.schema.train import TrainConfig  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base=None)
+def main(cfg) -> None:
+    from train.loop import run_train
+
+    run_train(to_schema(cfg, TrainConfig))
+
+
+if __name__ == "__main__":
+    main()
