@@ -4,15 +4,16 @@ A random-weight DeepSeek-V3-shaped causal LM (hidden 7168, MLA, MoE like Kimi-K2
 few layers and fewer routed experts so it fits one GPU) runs three ways over the same batches:
   bare     model(input_ids, attention_mask): the target's plain forward, full logits
   capture  data.capture.capture_batch: hooks on 3 layers + final norm, chunked lm_head argmax,
-           finiteness check, states cast to the store dtype and copied to the host
-  store    data.capture.capture_split end to end: capture + HiddenStateWriter (background thread:
-           concatenation, sha256, write) into a real store on local disk
+           finiteness check, states cast to the store dtype (left on the device)
+  store    data.capture.capture_split end to end: capture + HiddenStateWriter (async device->host
+           copies into pinned shard buffers on a side stream; a background thread hashes and
+           writes each shard) into a real store on local disk
 and reports tokens/s of each, the overhead of capture and store over bare, and bytes stored per
 token (measured from the shard files). The layer count matters: the capture cost is per token
 (independent of depth) while the forward grows with depth, so the overhead on the 61-layer
 target is about (layers here / 61) of the one measured here.
 
-  GPU:  python3 benchmarks/bench_capture.py --layers 4 --experts 16 --batches 8
+  GPU:  python3 benchmarks/bench_capture.py --layers 4 --experts 16 --batches 16
   CPU:  python benchmarks/bench_capture.py --tiny          (a smoke run of the same code)
 """
 from __future__ import annotations
@@ -71,11 +72,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16, help="routed experts (K2.5 has 384; 8 active either way)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
-    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="default: SGLang's for --layers")
     ap.add_argument("--store-dtype", default="bfloat16")
-    ap.add_argument("--shard-tokens", type=int, default=65536)
+    ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--store-dir", default=None, help="where the store goes (default: a temp dir, deleted)")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
     ap.add_argument("--json", default=None, help="write the figures here")

@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", default="2048,4096,8192,16384", help="comma-separated T values")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--mask-frac", type=float, default=1.0,
+                   help="share of loss positions (assistant tokens); 1.0 = all, comparable with full-vocab trainers")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="auto")
@@ -79,13 +81,16 @@ def build(dims: dict, ttt: int, device: torch.device, bf16: bool):
     return TTTObjective(drafter, ttt_length=ttt), rows, ids.to(device)
 
 
-def make_batch(dims: dict, B: int, T: int, draft_ids: torch.Tensor, device, dtype=torch.bfloat16) -> dict:
+def make_batch(dims: dict, B: int, T: int, draft_ids: torch.Tensor, device, dtype=torch.bfloat16,
+               mask_frac: float = 1.0) -> dict:
     H = dims["hidden"]
     g = torch.Generator(device="cpu").manual_seed(T)
     pick = draft_ids.cpu()[torch.randint(0, draft_ids.numel(), (B, T), generator=g)]
+    # a prompt then the assistant reply: the first (1 - mask_frac) of each row is out of the loss
+    loss_mask = torch.arange(T)[None].expand(B, T) >= int(round(T * (1 - mask_frac)))
     return {
         "input_ids": torch.randint(0, dims["vocab"], (B, T), generator=g).to(device),
-        "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
+        "loss_mask": loss_mask.to(device),
         "target_argmax": pick.to(device),  # in the draft vocab: every position counts (worst case)
         "aux": torch.randn(B, T, 3 * H, generator=g).to(device, dtype),
         "last": torch.randn(B, T, H, generator=g).to(device, dtype),
@@ -143,13 +148,13 @@ def main(argv=None) -> list[dict]:
     optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
     n_train = sum(p.numel() for p in params)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"autocast bf16: {autocast}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
+          f"autocast bf16: {autocast}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, loss share {args.mask_frac}, "
           f"trainable params {n_train / 1e6:.1f}M")
     results = []
     header = f"{'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9}"
     print(header)
     for T in args.seq_lens:
-        batch = make_batch(args.dims, args.batch, T, draft_ids, device)
+        batch = make_batch(args.dims, args.batch, T, draft_ids, device, mask_frac=args.mask_frac)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -176,6 +181,7 @@ def main(argv=None) -> list[dict]:
         del batch
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
+                                               "mask_frac": args.mask_frac,
                                                "device": str(device), "results": results}, indent=2))
     return results
 

@@ -143,8 +143,9 @@ def check_dataset(ds, split: str, vocab_size: int) -> None:
 def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: list[int], store_dtype: torch.dtype,
                   argmax_chunk_tokens: int):
     """Forward one right-padded batch with hooks. Returns per sequence (aux [T,3H], last [T,H],
-    argmax [T], finite: bool) on the CPU, aux/last already in the store dtype. The finiteness
-    check runs on the device (a CPU scan of 57 KB/token would cost more than the copy)."""
+    argmax [T], finite: bool): aux/last in the store dtype, left on the device (the store writer
+    copies them to pinned host memory on a side stream, overlapping the next forward); argmax on
+    the CPU. The finiteness check runs on the device (a CPU scan of 57 KB/token costs more)."""
     B, Tmax = len(batch_ids), max(len(x) for x in batch_ids)
     device = target_io.input_device(model)
     input_ids = torch.full((B, Tmax), PAD_ID, dtype=torch.long)
@@ -159,7 +160,7 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: lis
         aux = cap.aux_concat().to(store_dtype)  # [B, Tmax, 3H]
         pad = attn.to(aux.device) == 0
         finite = ((torch.isfinite(aux).all(-1) & torch.isfinite(last.to(aux.device)).all(-1)) | pad).all(-1)
-        aux, last, argmax, finite = aux.cpu(), last.cpu(), argmax.cpu(), finite.cpu().tolist()
+        argmax, finite = argmax.cpu(), finite.cpu().tolist()
     return [(aux[b, : len(x)], last[b, : len(x)], argmax[b, : len(x)], finite[b]) for b, x in enumerate(batch_ids)]
 
 

@@ -7,6 +7,7 @@ and tested end to end without SGLang:
     python data/openai_server.py --target runs/mini_world/k25-mini --tokenizer runs/mini_world/tokenizer \\
         --layout kimi_k25 --port 30000
     python data/run_prepare.py regenerate.backend=openai regenerate.openai.base_url=http://127.0.0.1:30000/v1
+    python data/openai_server.py --echo --port 0 --fault-rate 500=0.2   # model-free, for fault drills
 
 Faults (for the fault suite): a `FaultPlan` picks an action for every completion request, from
 an exact `script` (request n gets script[n]) and then at random by `rates`:
@@ -215,6 +216,13 @@ def _make_handler(server: ChatServer):
     return Handler
 
 
+def echo_generate(messages, max_tokens, temperature, top_p, seed):
+    """A model-free GenerateFn (fault tests, smoke tests): echoes the last message's words,
+    at most `max_tokens` of them; finish_reason "length" when it had to cut."""
+    words = messages[-1]["content"].split()
+    return " ".join(words[:max_tokens]), "length" if len(words) > max_tokens else "stop"
+
+
 def hf_generate_fn(target_path: str, tokenizer_path: str, layout: str, dtype: str = "float32",
                    device_map: Optional[str] = None, trust_remote_code: bool = False) -> GenerateFn:
     """A GenerateFn over a local target, through the same HFGenerator the hf backend uses."""
@@ -246,7 +254,8 @@ def _parse_rates(items: list[str]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="target model directory")
+    ap.add_argument("--target", help="target model directory")
+    ap.add_argument("--echo", action="store_true", help="serve the model-free echo generator instead of a target")
     ap.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
     ap.add_argument("--layout", default="kimi_k25", choices=("kimi_k25", "causal_lm"))
     ap.add_argument("--dtype", default="float32")
@@ -261,9 +270,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     a = ap.parse_args(argv)
     faults = FaultPlan(script=[s for s in a.fault_script.split(",") if s], rates=_parse_rates(a.fault_rate),
                        slow_s=a.slow_s, hang_s=a.hang_s, seed=a.seed)
-    gen = hf_generate_fn(a.target, a.tokenizer or a.target, a.layout, a.dtype)
+    if not a.echo and not a.target:
+        ap.error("give --target DIR (or --echo)")
+    gen = echo_generate if a.echo else hf_generate_fn(a.target, a.tokenizer or a.target, a.layout, a.dtype)
     server = ChatServer(gen, a.host, a.port, faults, a.model_name)
-    print(f"serving {a.target} at {server.url} (POST /chat/completions); Ctrl-C stops", flush=True)
+    print(f"serving {'echo' if a.echo else a.target} at {server.url} (POST /chat/completions); Ctrl-C stops", flush=True)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:

@@ -160,21 +160,81 @@ class TemplateEncoder:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, conv: Conversation) -> Encoded:
+        """Encode one conversation; raises Skip."""
+        result = self.encode_many([conv])[0]
+        if isinstance(result, Skip):
+            raise result
+        return result
+
+    def encode_many(self, convs: list[Conversation]) -> list:
+        """Encoded or Skip per conversation. All texts of the chunk go to the (Rust, multi-
+        threaded) tokenizer in one call, which is where the time goes."""
+        results: list = [None] * len(convs)
+        jobs = []  # (index, full text, char ends of the prefix renderings)
+        for i, conv in enumerate(convs):
+            try:
+                jobs.append((i, *self._render_prefixes(conv)))
+            except Skip as s:
+                results[i] = s
+        pieces_of = [_pieces(full, ends) for _, full, ends in jobs]
+        flat = [t for (_, full, _), pieces in zip(jobs, pieces_of) for t in [full] + pieces]
+        enc = self.tok(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
+        pos = 0
+        for (i, full, ends), pieces in zip(jobs, pieces_of):
+            full_ids, piece_ids = enc[pos], enc[pos + 1: pos + 1 + len(pieces)]
+            pos += 1 + len(pieces)
+            try:
+                cuts = self._token_cuts(full, full_ids, ends, piece_ids, convs[i])
+                results[i] = self._mask_and_truncate(full_ids, cuts)
+            except Skip as s:
+                results[i] = s
+        return results
+
+    def _render_prefixes(self, conv: Conversation) -> tuple[str, list[int]]:
+        """The full rendering and, per assistant turn k, the char length of the renderings of
+        msgs[:k] + generation prompt (start of the answer) and msgs[:k+1] (its end)."""
         msgs = conv.messages
         try:
             full = self._render(msgs, False)
-            # (start, end) renderings around each assistant turn k: msgs[:k] + generation prompt, msgs[:k+1]
-            bounds = [(self._render(msgs[:k], True), self._render(msgs[: k + 1], False)) for k in conv.assistant_indices]
+            prefixes = [t for k in conv.assistant_indices
+                        for t in (self._render(msgs[:k], True), self._render(msgs[: k + 1], False))]
         except Exception as e:  # jinja2 errors, template-raised exceptions
             raise Skip("template_error", f"{type(e).__name__}: {e}") from e
-        texts = [full] + [t for pair in bounds for t in pair]
-        for i, t in enumerate(texts[1:]):
+        for i, t in enumerate(prefixes):
             if not full.startswith(t):
                 k = conv.assistant_indices[i // 2]
                 raise Skip("template_not_prefix_stable",
                            f"rendering up to message {k} ({'prompt' if i % 2 == 0 else 'answer'}) is not a text prefix "
                            "of the whole conversation's rendering")
-        full_ids, cuts = self._token_cuts(full, texts[1:], conv)
+        return full, [len(t) for t in prefixes]
+
+    def _token_cuts(self, full: str, full_ids: list[int], ends: list[int], piece_ids: list[list[int]],
+                    conv: Conversation) -> list[int]:
+        """Token index at which each prefix rendering ends.
+
+        Fast path: the pieces between consecutive prefix ends, tokenized alone, concatenate to
+        exactly the full rendering's tokens; then every cut is a token boundary and each
+        prefix's tokens are the leading pieces'. Otherwise (a token may merge across a cut),
+        tokenize every prefix alone and require it to be a token prefix of the full rendering."""
+        bounds = sorted(set([0, len(full)] + ends))
+        at, n = {0: 0}, 0
+        for b, ids in zip(bounds[1:], piece_ids):  # token index at each char bound
+            n += len(ids)
+            at[b] = n
+        if [t for ids in piece_ids for t in ids] == full_ids:
+            return [at[c] for c in ends]
+        cuts = []
+        prefixes = [full[:c] for c in ends]
+        for i, t_ids in enumerate(self.tok(prefixes, add_special_tokens=False, verbose=False)["input_ids"]):
+            if full_ids[: len(t_ids)] != t_ids:
+                k = conv.assistant_indices[i // 2]
+                raise Skip("template_not_prefix_stable",
+                           f"tokens up to message {k} are not a token prefix of the whole conversation "
+                           "(a token merges across the turn boundary)")
+            cuts.append(len(t_ids))
+        return cuts
+
+    def _mask_and_truncate(self, full_ids: list[int], cuts: list[int]) -> Encoded:
         mask = np.zeros(len(full_ids), dtype=np.uint8)
         for start, end in zip(cuts[0::2], cuts[1::2]):
             if end <= start:
@@ -191,32 +251,10 @@ class TemplateEncoder:
                 raise Skip("too_long", f"the {prompt_len}-token prompt fills max_length {self.max_length}: nothing to train")
         return Encoded(input_ids, mask, prompt_len, truncated)
 
-    def _token_cuts(self, full: str, prefixes: list[str], conv: Conversation) -> tuple[list[int], list[int]]:
-        """Token ids of `full` and the token index at which each prefix rendering ends.
 
-        Fast path (linear in the text): tokenize the pieces between consecutive prefix ends; if
-        their concatenation is exactly the full text's tokens, every cut is a token boundary and
-        each prefix's tokens are the leading pieces. Otherwise (a token merges across a cut),
-        tokenize every prefix alone and require it to be a token prefix of the full rendering."""
-        chars = [len(t) for t in prefixes]
-        bounds = sorted(set([0, len(full)] + chars))
-        pieces = [full[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        enc = self.tok([full] + pieces, add_special_tokens=False, verbose=False)["input_ids"]
-        full_ids, at, n = enc[0], {0: 0}, 0
-        for b, piece_ids in zip(bounds[1:], enc[1:]):  # token index at each char bound
-            n += len(piece_ids)
-            at[b] = n
-        if [t for piece_ids in enc[1:] for t in piece_ids] == full_ids:
-            return full_ids, [at[c] for c in chars]
-        cuts = []
-        for i, t_ids in enumerate(self.tok(prefixes, add_special_tokens=False, verbose=False)["input_ids"]):
-            if full_ids[: len(t_ids)] != t_ids:
-                k = conv.assistant_indices[i // 2]
-                raise Skip("template_not_prefix_stable",
-                           f"tokens up to message {k} are not a token prefix of the whole conversation "
-                           "(a token merges across the turn boundary)")
-            cuts.append(len(t_ids))
-        return full_ids, cuts
+def _pieces(full: str, ends: list[int]) -> list[str]:
+    bounds = sorted(set([0, len(full)] + ends))
+    return [full[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
@@ -331,6 +369,20 @@ class SplitWriter:
                 "truncated": self.truncated}
 
 
+ENCODE_CHUNK = 256  # conversations tokenized per tokenizer call
+
+
+def _chunks(items, n: int):
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def load_tokenizer(target):
     from transformers import AutoTokenizer
 
@@ -389,14 +441,16 @@ def run_prepare(cfg) -> "Path":
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     writers = {"train": SplitWriter(tmp / "train"), "validation": SplitWriter(tmp / "validation")}
-    for conv in tqdm(convs, desc="prepare: tokenize", unit="conv", mininterval=2):
-        try:
-            enc = encoder.encode(conv)
-        except Skip as s:
-            skips.add(s.reason, conv.location or conv.id, s.detail)
-            continue
-        split = "validation" if is_validation(conv.id, cfg.validation_fraction, cfg.split_salt) else "train"
-        writers[split].add(conv.id, enc)
+    bar = tqdm(desc="prepare: tokenize", unit="conv", mininterval=2)
+    for chunk in _chunks(convs, ENCODE_CHUNK):
+        for conv, enc in zip(chunk, encoder.encode_many(chunk)):
+            if isinstance(enc, Skip):
+                skips.add(enc.reason, conv.location or conv.id, enc.detail)
+                continue
+            split = "validation" if is_validation(conv.id, cfg.validation_fraction, cfg.split_salt) else "train"
+            writers[split].add(conv.id, enc)
+        bar.update(len(chunk))
+    bar.close()
     kept = sum(w.rows for w in writers.values())
     if kept == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -254,6 +254,19 @@ class AcceptStats:
 ProposeFn = Callable[[int], DraftTree]
 
 
+def _replay(input_ids, loss_mask, target_argmax, accept_at: Callable[[int, int], int], max_depth: int,
+            max_cycles: Optional[int]) -> AcceptStats:
+    """The cycle loop over the greedy segments; accept_at(q, remaining) -> drafts accepted at q."""
+    segs, n_valid, n_bad = greedy_segments(input_ids, loss_mask, target_argmax)
+    stats = AcceptStats(max_depth, segments=len(segs), assistant_positions=n_valid, mismatches=n_bad, sequences=1)
+    for a, b in segs:
+        q = a + 1
+        while q <= b and (max_cycles is None or stats.cycles < max_cycles):
+            remaining = b + 1 - q                       # tokens x_{q+1}..x_{b+1} left in the segment
+            q += stats.add_cycle(accept_at(q, remaining), remaining)
+    return stats
+
+
 def replay_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_argmax: torch.Tensor,
                     propose: ProposeFn, max_depth: int, max_cycles: Optional[int] = None) -> AcceptStats:
     """Replay greedy speculative decoding over one stored sequence (module docstring).
@@ -261,16 +274,28 @@ def replay_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_arg
     input_ids, loss_mask, target_argmax [T]; `propose(q)` drafts the cycle at q (it may only look at
     tokens 0..q and the target states of positions < q); max_depth = `SpecKnobs.max_depth`.
     """
-    segs, n_valid, n_bad = greedy_segments(input_ids, loss_mask, target_argmax)
     g = target_argmax.long().reshape(-1)
-    stats = AcceptStats(max_depth, segments=len(segs), assistant_positions=n_valid, mismatches=n_bad, sequences=1)
-    for a, b in segs:
-        q = a + 1
-        while q <= b and (max_cycles is None or stats.cycles < max_cycles):
-            remaining = b + 1 - q                       # tokens x_{q+1}..x_{b+1} left in the segment
-            tree = propose(q)
-            if tree.depth > max_depth:
-                raise ValueError(f"drafter proposed a tree of depth {tree.depth} > max_depth {max_depth}")
-            accepted = greedy_tree_accept(tree, g[q:q + remaining])
-            q += stats.add_cycle(accepted, remaining)
-    return stats
+
+    def accept_at(q: int, remaining: int) -> int:
+        tree = propose(q)
+        if tree.depth > max_depth:
+            raise ValueError(f"drafter proposed a tree of depth {tree.depth} > max_depth {max_depth}")
+        return greedy_tree_accept(tree, g[q:q + remaining])
+
+    return _replay(input_ids, loss_mask, target_argmax, accept_at, max_depth, max_cycles)
+
+
+def leading_hits(hits: torch.Tensor) -> torch.Tensor:
+    """hits Bool [K, T] (hits[j, t]: depth j+1 of the chain rooted at t is the target's token) ->
+    Long [T]: how many leading depths are right, i.e. the drafts a chain from t gets accepted."""
+    return torch.cumprod(hits.long(), dim=0).sum(0)
+
+
+def replay_chain_runs(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_argmax: torch.Tensor,
+                      runs: torch.Tensor, max_depth: int, max_cycles: Optional[int] = None) -> AcceptStats:
+    """The chain replay when the accepted drafts per cycle are known up front: runs Long [T] with
+    runs[q-1] = leading right drafts of the cycle at q (`leading_hits`); same counts as
+    `replay_sequence` with the corresponding chains, without building them."""
+    r = runs.tolist()
+    return _replay(input_ids, loss_mask, target_argmax, lambda q, rem: min(r[q - 1], max_depth, rem),
+                   max_depth, max_cycles)

@@ -54,10 +54,18 @@ def soft_cross_entropy(draft_logits: torch.Tensor, teacher_logits: torch.Tensor,
     mask = mask.bool()
     # Select the valid rows first: fewer rows through log_softmax, and a non-finite logit at a
     # padding position cannot leak into the sum (0 * inf = nan).
-    q_log = torch.log_softmax(draft_logits[mask].float(), dim=-1)  # [N, V]
     p = torch.softmax(teacher_logits[mask].float(), dim=-1)        # [N, V]
-    total = -(p * q_log).sum()
-    return total, mask.sum().to(torch.float32)
+    return soft_cross_entropy_rows(draft_logits[mask], p), mask.sum().to(torch.float32)
+
+
+def soft_cross_entropy_rows(draft_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """sum_n -sum_v p[n, v] log softmax(draft_logits[n])_v over rows already selected, fp32.
+    draft_logits [N, draft_V] (any float dtype), teacher_probs fp32 [N, draft_V]."""
+    if draft_logits.shape != teacher_probs.shape:
+        raise ValueError(f"soft_cross_entropy_rows: draft logits {tuple(draft_logits.shape)} vs teacher probs "
+                         f"{tuple(teacher_probs.shape)}")
+    q_log = torch.log_softmax(draft_logits.float(), dim=-1)
+    return -(teacher_probs * q_log).sum()
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -77,7 +85,11 @@ def loss_positions(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: to
     loss_mask Bool/uint8 [B, T] (assistant tokens; zero on padding), target_argmax Long [B, T]
     (target top token at each position), t2d Bool [V]. Returns Bool [B, T]:
     `mask[b, t] = loss_mask[b, t+k+2] & t2d[target_argmax[b, t+k+1]]`, False where t+k+2 >= T.
+    step=-1 gives the teacher positions s themselves (loss_mask[s+1] & t2d[argmax_s]): step k's mask
+    is that one shifted left by k+1.
     """
+    if step < -1:
+        raise ValueError(f"loss_positions: step={step} (expected >= -1)")
     if loss_mask.shape != target_argmax.shape:
         raise ValueError(f"loss_positions: loss_mask {tuple(loss_mask.shape)} vs target_argmax "
                          f"{tuple(target_argmax.shape)}")

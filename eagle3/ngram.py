@@ -40,3 +40,50 @@ def ngram_tree(prefix: torch.Tensor, num_draft: int, max_ngram: int = 3, min_ngr
                prefer: str = "recent") -> DraftTree:
     """The proposal as a chain tree for `eagle3.accept_sim.replay_sequence`."""
     return DraftTree.chain(ngram_propose(prefix, num_draft, max_ngram, min_ngram, prefer))
+
+
+class PromptLookup:
+    """Incremental prompt lookup over one sequence whose prefix grows (the replay's cycles visit
+    q in increasing order): n-gram -> start index tables, so each proposal costs O(max_ngram)
+    instead of a scan of the prefix. Proposes exactly what `ngram_propose(tokens[:q+1], ...)` does."""
+
+    def __init__(self, tokens: torch.Tensor, num_draft: int, max_ngram: int = 3, min_ngram: int = 1,
+                 prefer: str = "recent"):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram sizes: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        if prefer not in ("recent", "first"):
+            raise ValueError(f"ngram prefer={prefer!r}: expected 'recent' or 'first'")
+        self.x = tokens.long().reshape(-1).tolist()
+        self.num_draft, self.sizes, self.recent = num_draft, range(max_ngram, min_ngram - 1, -1), prefer == "recent"
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tables: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed_len = 0  # windows of every prefix shorter than this are in the tables
+
+    def propose(self, q: int) -> list[int]:
+        L = q + 1                                      # the prefix is x[0..q]
+        if L < self.indexed_len:
+            self._reset()
+        x = self.x
+        # a window starting at i is "earlier" for prefix length L when i + n <= L - 1
+        for n, table in self.tables.items():
+            for i in range(max(0, self.indexed_len - 1 - n), L - n):
+                key = tuple(x[i:i + n])
+                if self.recent:
+                    table[key] = i
+                else:
+                    table.setdefault(key, i)
+        self.indexed_len = L
+        if self.num_draft < 1:
+            return []
+        for n in self.sizes:
+            if n > L - 1:
+                continue
+            start = self.tables[n].get(tuple(x[L - n:L]))
+            if start is not None:
+                return x[start + n:min(start + n + self.num_draft, L)]
+        return []
+
+    def tree(self, q: int) -> DraftTree:
+        return DraftTree.chain(torch.tensor(self.propose(q), dtype=torch.long))

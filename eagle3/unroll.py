@@ -24,8 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from eagle3.loss import (draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
-                         teacher_logits)
+from eagle3.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights, teacher_logits
 from eagle3.ttt import TTTCache, ttt_position_ids
 
 
@@ -86,34 +85,37 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
     weights = step_weights(ttt_length, step_decay).to(device)
 
     with torch.no_grad():
-        # Teacher of drafter position t at step k sits at t+k+1: computed once, sliced per step.
-        teacher = teacher_logits(last, lm_head_rows)  # fp32 [B, T, draft_V]
-        masks = [loss_positions(loss_mask, target_argmax, t2d, k) for k in range(ttt_length)]
+        # Teacher positions s = t+k+1 that any step uses: loss_mask[s+1] & t2d[argmax_s] (the step
+        # "-1" mask). The teacher is computed once, only there: M rows instead of B*T.
+        teacher_at = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1)   # [B*T]
+        flat = teacher_at.nonzero().squeeze(1)                                             # [M]
+        teacher_p = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)  # fp32 [M, V]
+        row_of = torch.full((B * T,), -1, dtype=torch.long, device=device)
+        row_of[flat] = torch.arange(flat.numel(), device=device)
+        argmax_flat = target_argmax.reshape(-1).long()
 
     hidden = model.project_aux(aux)  # [B, T, H]; casts the store dtype to fc's
     cache = TTTCache(attention_mask)
     sums, corrects, counts = [], [], []
     for k in range(ttt_length):
-        step_ids = shift_left(input_ids, k + 1, 0)                               # x_{t+k+1} at t
+        step_ids = shift_left(input_ids, k + 1, 0)                            # x_{t+k+1} at t
         prenorm = model.step(step_ids, hidden, ttt_position_ids(position_ids, k), cache)  # [B, T, H]
-        n = T - (k + 1)  # drafter positions whose teacher index t+k+1 is inside the sequence
-        if n > 0:
-            logits = model.logits(prenorm[:, :n])                             # [B, n, draft_V]
-            s, c = soft_cross_entropy(logits, teacher[:, k + 1:], masks[k][:, :n])
-            with torch.no_grad():
-                ok, _ = draft_accuracy(logits.detach(), d2t, target_argmax[:, k + 1:], masks[k][:, :n])
-        else:  # sequence shorter than the step: nothing to predict, keep the graph connected
-            s = prenorm.sum() * 0.0
-            c = ok = torch.zeros((), device=device)
-        sums.append(s)
-        corrects.append(ok)
-        counts.append(c)
+        with torch.no_grad():
+            b_idx, t_idx = loss_positions(loss_mask, target_argmax, t2d, step=k).nonzero(as_tuple=True)  # [N]
+            src = b_idx * T + t_idx + (k + 1)                                  # teacher position, flat
+        # lm_head + softmax only on the N valid positions (prompt and padding rows never reach it).
+        logits = model.logits(prenorm[b_idx, t_idx])                          # [N, draft_V]
+        sums.append(soft_cross_entropy_rows(logits, teacher_p[row_of[src]]) if src.numel() else prenorm.sum() * 0.0)
+        with torch.no_grad():
+            top = logits.detach().argmax(dim=-1)
+            corrects.append(((top + d2t[top]) == argmax_flat[src]).sum().to(torch.float32))
+        counts.append(torch.tensor(float(src.numel()), device=device))
         hidden = prenorm
     loss_sum = torch.stack(sums)                       # [K], differentiable
-    count = torch.stack(counts).to(torch.float32)
+    count = torch.stack(counts)
     denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
     loss = (weights * loss_sum / denom.clamp(min=1)).sum()
-    return UnrollOutput(loss=loss, loss_sum=loss_sum.detach(), correct=torch.stack(corrects).float(), count=count)
+    return UnrollOutput(loss=loss, loss_sum=loss_sum.detach(), correct=torch.stack(corrects), count=count)
 
 
 class TTTObjective(nn.Module):

@@ -17,11 +17,13 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
+                               replay_sequence)
 from eagle3.loss import loss_positions, shift_left
-from eagle3.ngram import ngram_tree
+from eagle3.ngram import PromptLookup
 from eagle3.ttt import TTTCache, ttt_position_ids
 from eval.drafter_session import SequenceDrafter
+from eval.tree_batch import all_cycle_trees
 
 DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
 MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
@@ -69,10 +71,11 @@ def _progress(it: Iterable, desc: str, total: int, enabled: bool):
 
 
 @torch.no_grad()
-def teacher_forced_correct(model, aux: torch.Tensor, input_ids: torch.Tensor, target_argmax: torch.Tensor,
-                           loss_mask: torch.Tensor, ttt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TTT unroll of one sequence, forward only. Returns (correct, valid), Bool [K, T]:
-    at step k, drafter position t predicts x_{t+k+2}; valid as in training's loss positions."""
+def teacher_forced_hits(model, aux: torch.Tensor, input_ids: torch.Tensor, target_argmax: torch.Tensor,
+                        loss_mask: torch.Tensor, ttt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TTT unroll of one sequence, forward only. Returns (hits, valid), Bool [K, T]: at step k,
+    drafter position t predicts x_{t+k+2}; hits[k, t] = (its argmax, via d2t) == target_argmax[t+k+1];
+    valid[k, t] = training's loss positions (loss_mask[t+k+2] & t2d[argmax_{t+k+1}])."""
     dev = model.fc.weight.device
     T = input_ids.numel()
     ids = input_ids.long().to(dev)[None]
@@ -81,68 +84,107 @@ def teacher_forced_correct(model, aux: torch.Tensor, input_ids: torch.Tensor, ta
     pos = torch.arange(T, device=dev)[None]
     hidden = model.project_aux(aux.to(dev)[None])
     cache = TTTCache()
-    correct = torch.zeros(ttt_length, T, dtype=torch.bool, device=dev)
-    valid = torch.zeros_like(correct)
+    hits = torch.zeros(ttt_length, T, dtype=torch.bool, device=dev)
+    valid = torch.zeros_like(hits)
     for k in range(ttt_length):
         prenorm = model.step(shift_left(ids, k + 1, 0), hidden, ttt_position_ids(pos, k), cache)  # [1, T, H]
         n = T - (k + 1)
         if n > 0:
-            top = model.logits(prenorm[:, :n]).argmax(-1)
-            as_target = model.draft_ids_to_target(top)                           # [1, n]
-            v = loss_positions(mask, argmax, model.t2d, k)[:, :n]
-            valid[k, :n] = v[0]
-            correct[k, :n] = (v & (as_target == argmax[:, k + 1:]))[0]
+            as_target = model.draft_ids_to_target(model.logits(prenorm[:, :n]).argmax(-1))  # [1, n]
+            valid[k, :n] = loss_positions(mask, argmax, model.t2d, k)[0, :n]
+            hits[k, :n] = (as_target == argmax[:, k + 1:])[0]
         hidden = prenorm
-    return correct.cpu(), valid.cpu()
+    return hits.cpu(), valid.cpu()
+
+
+def teacher_forced_correct(model, aux, input_ids, target_argmax, loss_mask, ttt_length):
+    """(correct = hits & valid, valid), Bool [K, T]: what training's accuracy counts."""
+    hits, valid = teacher_forced_hits(model, aux, input_ids, target_argmax, loss_mask, ttt_length)
+    return hits & valid, valid
+
+
+class AccuracyCounter:
+    """Accuracy per TTT step and conditional accuracy (all steps < k right at the same position)."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.right, self.count = torch.zeros(K), torch.zeros(K)
+        self.chain_right, self.chain_base = torch.zeros(K), torch.zeros(K)
+
+    def add(self, hits: torch.Tensor, valid: torch.Tensor) -> None:
+        c, v = (hits & valid)[: self.K], valid[: self.K]
+        self.right += c.sum(1).float()
+        self.count += v.sum(1).float()
+        chain = torch.cumprod(c.int(), dim=0).bool()                              # all steps <= k right
+        prev = torch.cat([torch.ones(1, c.shape[1], dtype=torch.bool), chain[:-1]])  # all steps < k right
+        self.chain_right += chain.sum(1).float()
+        self.chain_base += (prev & v).sum(1).float()
+
+    def to_dict(self) -> dict:
+        return {"ttt_length": self.K, "step_accuracy": (self.right / self.count.clamp(min=1)).tolist(),
+                "conditional_accuracy": (self.chain_right / self.chain_base.clamp(min=1)).tolist(),
+                "positions": self.count.long().tolist(), "chain_positions": self.chain_base.long().tolist()}
 
 
 def teacher_forced_accuracy(model, store, ttt_length: int = 7, max_sequences: Optional[int] = None,
                             progress: bool = True) -> dict:
     """Accuracy per TTT step and conditional accuracy over the store's sequences."""
-    K = ttt_length
-    right, count = torch.zeros(K), torch.zeros(K)
-    chain_right, chain_base = torch.zeros(K), torch.zeros(K)
+    acc = AccuracyCounter(ttt_length)
     idx = _sequences(store, max_sequences)
     for i in _progress(idx, "accuracy", len(idx), progress):
         s = store[i]
-        if s["input_ids"].numel() < 2:
-            continue
-        c, v = teacher_forced_correct(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)
-        right += c.sum(1).float()
-        count += v.sum(1).float()
-        chain = torch.cumprod(c.int(), dim=0).bool()                              # all steps <= k right
-        chain_right += chain.sum(1).float()
-        prev = torch.cat([torch.ones(1, c.shape[1], dtype=torch.bool), chain[:-1]])  # all steps < k right
-        chain_base += (prev & v).sum(1).float()
-    acc = (right / count.clamp(min=1)).tolist()
-    cond = (chain_right / chain_base.clamp(min=1)).tolist()
-    return {"ttt_length": K, "step_accuracy": acc, "conditional_accuracy": cond,
-            "positions": count.long().tolist(), "chain_positions": chain_base.long().tolist()}
+        if s["input_ids"].numel() >= 2:
+            acc.add(*teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"],
+                                         ttt_length))
+    return acc.to_dict()
+
+
+def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: NgramSettings,
+                hits: Optional[torch.Tensor], method: str) -> None:
+    ids, mask, argmax = s["input_ids"].long(), s["loss_mask"].bool(), s["target_argmax"].long()
+    seq = None
+    for k in knobs:
+        res = out[k.label]
+        if model is not None:
+            if k.topk == 1 and method == "auto":
+                h = hits if hits is not None and hits.shape[0] >= k.max_depth else \
+                    teacher_forced_hits(model, s["aux"], ids, argmax, mask, k.max_depth)[0]
+                runs = leading_hits(h[: k.max_depth])
+                res["drafter"] += replay_chain_runs(ids, mask, argmax, runs, k.max_depth)
+            elif method == "auto":  # trees: every position's tree drafted in one batched pass
+                trees = all_cycle_trees(model, s["aux"], ids, k)
+                res["drafter"] += replay_sequence(ids, mask, argmax, trees.__getitem__, k.max_depth)
+            else:
+                if seq is None:
+                    seq = SequenceDrafter(model, s["aux"], ids, max(kk.topk for kk in knobs))
+                res["drafter"] += replay_sequence(ids, mask, argmax, lambda q: build_sglang_tree(seq.at(q), k),
+                                                  k.max_depth)
+        nd = k.num_draft_tokens - 1
+        look = PromptLookup(ids, nd, ngram.max_ngram, ngram.min_ngram, ngram.prefer)
+        res["ngram"] += replay_sequence(ids, mask, argmax, look.tree, nd)
 
 
 def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS,
                            max_sequences: Optional[int] = None, ngram: NgramSettings = NgramSettings(),
-                           progress: bool = True) -> dict[str, dict[str, AcceptStats]]:
+                           progress: bool = True, method: str = "auto") -> dict[str, dict[str, AcceptStats]]:
     """Replay every knob setting over the store with the drafter (`model`; None: n-gram only) and with
-    n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens). -> {label: {name: stats}}."""
+    n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens). -> {label: {name: stats}}.
+
+    method="auto": chains (topk=1) are read off one teacher-forced TTT unroll, trees of all positions
+    are drafted in one batched pass (eval/tree_batch.py). That is exact, not an approximation: in a chain, draft j+1
+    only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
+    a replay segment ARE the stored tokens the unroll feeds; its hidden inputs are the drafter's own
+    outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
+    chain's keys, which is the TTT attention pattern (eagle3/ttt.py). method="sequential" drafts
+    every visited cycle step by step (eval/drafter_session.py; the reference the tests compare against)."""
+    if method not in ("auto", "sequential"):
+        raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)} for k in knobs}
-    max_topk = max(k.topk for k in knobs)
     idx = _sequences(store, max_sequences)
     for i in _progress(idx, "accept-length replay", len(idx), progress):
         s = store[i]
-        ids, mask, argmax = s["input_ids"].long(), s["loss_mask"].bool(), s["target_argmax"].long()
-        if ids.numel() < 2:
-            continue
-        seq = SequenceDrafter(model, s["aux"], ids, max_topk) if model is not None else None
-        for k in knobs:
-            res = out[k.label]
-            if seq is not None:
-                res["drafter"] += replay_sequence(ids, mask, argmax, lambda q: build_sglang_tree(seq.at(q), k),
-                                                  k.max_depth)
-            nd = k.num_draft_tokens - 1
-            res["ngram"] += replay_sequence(
-                ids, mask, argmax, lambda q: ngram_tree(ids[: q + 1], nd, ngram.max_ngram, ngram.min_ngram, ngram.prefer),
-                nd)
+        if s["input_ids"].numel() >= 2:
+            _replay_one(model, s, knobs, out, ngram, None, method)
     return out
 
 
@@ -160,10 +202,25 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
     was_training = model.training
     model.eval()
     try:
-        report: dict = {"sequences": len(_sequences(store, max_sequences)), "warnings": []}
+        idx = _sequences(store, max_sequences)
+        report: dict = {"sequences": len(idx), "warnings": []}
+        # one teacher-forced unroll per sequence serves the accuracy and every chain knob
+        K = max([ttt_length if accuracy else 0] + [k.max_depth for k in knobs if k.topk == 1])
+        acc = AccuracyCounter(ttt_length)
+        sims = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)}
+                for k in knobs}
+        for i in _progress(idx, "eval", len(idx), progress):
+            s = store[i]
+            if s["input_ids"].numel() < 2:
+                continue
+            hits = None
+            if K > 0:
+                hits, valid = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)
+                if accuracy:
+                    acc.add(hits, valid)
+            _replay_one(model, s, knobs, sims, ngram, hits, "auto")
         if accuracy:
-            report["accuracy"] = teacher_forced_accuracy(model, store, ttt_length, max_sequences, progress)
-        sims = simulate_accept_length(model, store, knobs, max_sequences, ngram, progress)
+            report["accuracy"] = acc.to_dict()
     finally:
         model.train(was_training)
     report["accept"] = {label: {"knobs": {"num_steps": k.num_steps, "topk": k.topk,

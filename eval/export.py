@@ -301,7 +301,11 @@ def _write_and_check(tmp: Path, config, configs: dict, reference, embed: torch.T
     facts: dict[str, Any] = {}
     for fmt in formats_of(config.format):
         d = format_dir(tmp, fmt)
-        write_format_dir(d, configs[fmt], export_tensors(reference.export_state_dict(), fmt, weight_dtype), fmt)
+        try:
+            write_format_dir(d, configs[fmt], export_tensors(reference.export_state_dict(), fmt, weight_dtype), fmt)
+        except Exception as e:  # OSError, or safetensors' own error wrapping one (disk full, quota, EFBIG)
+            raise ExportError(f"writing the {fmt} directory failed", [
+                f"{d}: {e}; free space under {tmp.parent} and rerun (the previous export, if any, is untouched)"]) from e
         problems = validate_format_dir(d, fmt, **validate_kw)
         if problems:
             raise ExportError(f"the written {fmt} directory failed validation", problems)

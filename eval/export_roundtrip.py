@@ -93,7 +93,14 @@ class RoundTripReference:
             stats["note"] = "no validation sequences: weights compared, logits not"
             return problems, stats
         worst, worst_full, agree, n = 0.0, 0.0, 0, 0
-        for g, r, f in zip(got, self.logits_rounded, self.logits_full):
+        for g, r, f, b in zip(got, self.logits_rounded, self.logits_full, self.batches):
+            if not bool(torch.isfinite(r).all()):
+                problems.append(f"sequence {b['id']!r}: the checkpoint itself gives non-finite logits on it "
+                                f"(non-finite stored states or weights); cannot vouch for the export")
+                continue
+            if not bool(torch.isfinite(g).all()):
+                problems.append(f"sequence {b['id']!r}: the export gives non-finite logits where the checkpoint does not")
+                continue
             scale = max(1.0, r.abs().max().item())
             worst = max(worst, (g - r).abs().max().item() / scale)
             worst_full = max(worst_full, (g - f).abs().max().item())

@@ -198,3 +198,22 @@ def test_knob_validation_and_merge():
     assert a.conditional_acceptance() == [0.5, 1.0]
     with pytest.raises(ValueError, match="merge"):
         a += AcceptStats(3)
+
+
+def test_chain_runs_replay_equals_tree_replay():
+    from eagle3.accept_sim import leading_hits, replay_chain_runs
+
+    hits = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert leading_hits(hits).tolist() == [2, 1, 0, 3, 1]
+    ids, mask, argmax = greedy_world(T=50, prompt=4, seed=2)
+    g = torch.Generator().manual_seed(3)
+    hits = torch.rand(3, 50, generator=g) < 0.7
+    knobs = SpecKnobs(3, 1, 4)
+
+    def propose(q):  # the chain that is right exactly where `hits` says
+        d = min(3, 50 - q)
+        return DraftTree.chain(torch.where(hits[:d, q - 1], argmax[q:q + d], torch.full((d,), -1)))
+
+    tree = replay_sequence(ids, mask, argmax, propose, knobs.max_depth)
+    runs = replay_chain_runs(ids, mask, argmax, leading_hits(hits), knobs.max_depth)
+    assert runs.to_dict() == tree.to_dict() and 1.5 < runs.accept_length < 4

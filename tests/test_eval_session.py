@@ -9,7 +9,7 @@ from eagle3.store import HiddenStateStore, HiddenStateWriter
 from eagle3.ttt import KVCache
 from eagle3.unroll import ttt_unroll
 from eval.drafter_session import SequenceDrafter
-from eval.evaluate import EvalInputError, evaluate_drafter, teacher_forced_correct
+from eval.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 
 V, DV, H, HT = 40, 24, 16, 12
 
@@ -138,3 +138,45 @@ def test_mismatching_store_warns_and_bad_pairs_fail(tmp_path):
     empty.finish()
     with pytest.raises(EvalInputError, match="no sequences"):
         evaluate_drafter(model, HiddenStateStore(tmp_path / "empty"), progress=False)
+
+
+@pytest.mark.parametrize("knobs", [SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4), SpecKnobs(3, 1, 3)])
+def test_chain_from_teacher_forced_unroll_equals_step_by_step_drafting(tmp_path, knobs):
+    """The fast chain replay (read off one TTT unroll) against drafting every cycle step by step."""
+    model = tiny_drafter()
+    # a store where the drafter is right often at depth 1 and sometimes deeper, plus a random one
+    seqs = [self_consistent_sequence(model, T=48, seed=s) for s in range(2)]
+    aux, ids = random_seq(T=30)
+    seqs.append((aux, ids, torch.cat([ids[1:], ids[:1]])))
+    store = write_store(tmp_path / "val", seqs)
+    fast = simulate_accept_length(model, store, [knobs], progress=False)[knobs.label]["drafter"]
+    slow = simulate_accept_length(model, store, [knobs], progress=False, method="sequential")[knobs.label]["drafter"]
+    assert fast.to_dict() == slow.to_dict()
+    assert fast.accepted[0] > 0 and fast.cycles > 20
+
+
+@pytest.mark.parametrize("knobs", [SpecKnobs(3, 2, 6), SpecKnobs(2, 3, 7), SpecKnobs(4, 2, 5)])
+def test_batched_trees_equal_cycle_by_cycle_trees(knobs):
+    from eval.tree_batch import all_cycle_trees
+
+    model = tiny_drafter()
+    aux, ids = random_seq(T=20)
+    seq = SequenceDrafter(model, aux, ids, knobs.topk)
+    trees = all_cycle_trees(model, aux, ids, knobs, chunk_rows=16)  # several chunks
+    assert len(trees) == 20
+    for q in range(1, 20):
+        ref = build_sglang_tree(seq.at(q), knobs)
+        assert trees[q].tokens.tolist() == ref.tokens.tolist(), q
+        assert trees[q].parents.tolist() == ref.parents.tolist(), q
+
+
+def test_tree_replay_batched_equals_sequential(tmp_path):
+    model = tiny_drafter()
+    seqs = [self_consistent_sequence(model, T=40, seed=s) for s in range(2)]
+    store = write_store(tmp_path / "val", seqs)
+    knobs = [SpecKnobs(3, 2, 6), SpecKnobs(2, 3, 5)]
+    fast = simulate_accept_length(model, store, knobs, progress=False)
+    slow = simulate_accept_length(model, store, knobs, progress=False, method="sequential")
+    for k in knobs:
+        assert fast[k.label]["drafter"].to_dict() == slow[k.label]["drafter"].to_dict()
+        assert fast[k.label]["drafter"].accept_length > 1.5

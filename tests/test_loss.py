@@ -102,3 +102,17 @@ def test_draft_accuracy_maps_draft_ids_through_d2t():
     mask = torch.tensor([[True, True, True, False]])
     correct, count = draft_accuracy(logits, d2t, target, mask)
     assert (correct.item(), count.item()) == (2.0, 3.0)
+
+
+def test_teacher_positions_are_step_masks_shifted():
+    g = torch.Generator().manual_seed(2)
+    lm = torch.rand(3, 10, generator=g) > 0.3
+    am = torch.randint(0, 6, (3, 10), generator=g)
+    t2d = torch.tensor([True, False, True, True, False, True])
+    base = loss_positions(lm, am, t2d, step=-1)
+    # by hand at one position: s=4 of row 0
+    assert bool(base[0, 4]) == (bool(lm[0, 5]) and bool(t2d[am[0, 4]]))
+    for k in range(5):
+        assert torch.equal(loss_positions(lm, am, t2d, step=k), shift_left(base, k + 1, False))
+    with pytest.raises(ValueError, match="step=-2"):
+        loss_positions(lm, am, t2d, step=-2)

@@ -80,3 +80,19 @@ def test_kimi_k25_layout_names_and_logits(tiny_k25_target, tiny_text_model):
         want = tiny_text_model(ids).logits
     assert got.shape == (2, 11, 512)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_train_tokenizer_is_deterministic_and_checks_size(tmp_path, tiny_sharegpt_records):
+    import pytest
+
+    from data.mini_world.checkpoints import train_tokenizer
+
+    texts = [t["value"][:500] for r in tiny_sharegpt_records[:30] for t in r["conversations"]]
+    train_tokenizer(texts, 420, tmp_path / "a")
+    train_tokenizer(texts, 420, tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="too small"):
+        train_tokenizer(texts, 200, tmp_path / "c")
+    # too little text for the asked size: padded with unused ids, specials still at the top
+    tok = train_tokenizer(["ab ab ab"], 300, tmp_path / "d")
+    assert len(tok) == 300 and tok.convert_tokens_to_ids("</think>") == 299

@@ -45,3 +45,14 @@ def test_ngram_replay_on_a_repeating_sequence():
     argmax = torch.cat([ids[1:], t(0)])
     stats = replay_sequence(ids, mask[:50], argmax, lambda q: ngram_tree(ids[: q + 1], 2), 2)
     assert stats.accept_length == 1.0
+
+
+@pytest.mark.parametrize("prefer", ["recent", "first"])
+def test_incremental_lookup_equals_the_scan(prefer):
+    from eagle3.ngram import PromptLookup
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (80,), generator=g)  # a small alphabet: many repeats of every length
+    look = PromptLookup(x, 3, max_ngram=3, prefer=prefer)
+    for q in list(range(0, 80, 1)) + [5, 40]:     # increasing, then a restart from a shorter prefix
+        assert look.propose(q) == ngram_propose(x[: q + 1], 3, max_ngram=3, prefer=prefer).tolist(), q

@@ -157,19 +157,24 @@ def test_template_that_is_not_prefix_stable_is_skipped(tok):
     assert TemplateEncoder(t, 1000).encode(single).loss_mask.sum() > 0
 
 
-MERGING_TEMPLATE = (  # the generation prompt ends mid-word: "th" + "e ..." tokenizes as "the" in context
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>th{{ m['content'] }}<|im_end|>{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>th{%- endif -%}")
+def merging_template(head: str) -> str:
+    """The generation prompt ends mid-word (`head`), so the answer's first characters merge
+    with it into one token in the full rendering."""
+    return ("{%- for m in messages -%}"
+            "{%- if m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+            "{%- else -%}<|im_assistant|>assistant<|im_middle|>" + head + "{{ m['content'] }}<|im_end|>{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>" + head + "{%- endif -%}")
 
 
 def test_token_merging_across_the_turn_boundary_is_detected(tok):
     t = AutoTokenizer.from_pretrained(tok.name_or_path)
-    assert len(t("the", add_special_tokens=False)["input_ids"]) == 1  # premise: "the" is one token
-    t.chat_template = MERGING_TEMPLATE
-    c = Conversation("c", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "e answer"}])
+    # a learned merge: a lowercase word that is one token, cut after its first letter
+    word = next(w for w, _ in sorted(t.get_vocab().items(), key=lambda kv: kv[1])
+                if len(w) >= 3 and w.isascii() and w.isalpha() and w.islower())
+    assert len(t(word, add_special_tokens=False)["input_ids"]) == 1
+    t.chat_template = merging_template(word[0])
+    c = Conversation("c", [{"role": "user", "content": "a"}, {"role": "assistant", "content": word[1:]}])
     with pytest.raises(Skip, match="not a token prefix") as e:
         TemplateEncoder(t, 1000).encode(c)
     assert e.value.reason == "template_not_prefix_stable"

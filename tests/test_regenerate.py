@@ -238,3 +238,23 @@ def test_hf_prompt_too_long_fails_only_that_conversation(tmp_path, tiny_k25_targ
     m = read_manifest(run_prepare(cfg), "prepare")
     assert m["counts"]["kept"] == 2 and m["counts"]["skipped"]["regen_failed"] == 1
     assert "exceeds the target's 60 positions" in m["skip_examples"]["regen_failed"][0]
+
+
+def test_server_command_line_serves_and_injects_faults():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(repo / "data" / "openai_server.py"), "--echo", "--port", "0",
+                             "--fault-script", "503,reset"], stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        line = proc.stdout.readline()
+        url = line.split(" at ")[1].split()[0]
+        client = ChatClient(url, "default", max_retries=3, backoff_s=0.0, max_tokens=3)
+        assert client.complete([{"role": "user", "content": "one two three four"}]) == ("one two three", "length")
+        assert client.retries == 2  # the 503 and the reset were retried
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

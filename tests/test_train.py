@@ -27,7 +27,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world(tmp_path_factory, tiny_k25_target):
     return write_world(tmp_path_factory.mktemp("train_world"), tiny_k25_target)
 
@@ -75,8 +75,8 @@ def test_run_writes_metrics_wandb_offline_and_a_final_drafter(world, tmp_path):
 
 def test_aqmedai_init_remaps_and_trains_and_a_rerun_is_reused_or_extended(world, tmp_path, capsys):
     out = tmp_path / "aq"
-    cfg = config_for(world, out, "aqmedai_k2", max_steps=8, epochs="null")
-    run_train(cfg)
+    cfg = config_for(world, out, "aqmedai_k2", max_steps=8, epochs="null", **{"data.num_workers": 1})
+    run_train(cfg)  # (also exercises the DataLoader worker path)
     manifest = json.loads((out / "manifest.json").read_text())
     remap = manifest["init_report"]["lm_head_remap"]
     assert manifest["init_report"]["init"] == "aqmedai_k2" and remap["n_shared"] > 0 and remap["n_fresh"] > 0
@@ -89,7 +89,7 @@ def test_aqmedai_init_remaps_and_trains_and_a_rerun_is_reused_or_extended(world,
     assert "reused" in capsys.readouterr().out
     assert (out / "final" / "model.safetensors").read_bytes() == final_bytes
 
-    longer = config_for(world, out, "aqmedai_k2", max_steps=12, epochs="null")
+    longer = config_for(world, out, "aqmedai_k2", max_steps=12, epochs="null", **{"data.num_workers": 1})
     run_train(longer)  # extended: continues from the step-8 checkpoint
     log = capsys.readouterr().out
     assert "resuming from" in log and "step-000008" in log

@@ -105,3 +105,22 @@ def test_nonfinite_loss_can_be_skipped_and_counted(world, tmp_path, monkeypatch)
     assert m["steps"] == 6 and m["nonfinite_skips"] == 1
     final = load_file(str(out / "final" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())
+
+
+def test_token_ids_outside_the_vocab_are_named(world, tmp_path):
+    from eagle3.store import HiddenStateStore
+
+    w = copy_world(world, tmp_path)
+    src = HiddenStateStore(world["capture"] / "train")
+    shutil.rmtree(w["capture"] / "train")
+    dst = HiddenStateWriter(w["capture"] / "train", hidden_size=64, target_hidden_size=64,
+                            aux_layer_ids=world["aux_ids"], hf_indices=[i + 1 for i in world["aux_ids"]])
+    for i in range(len(src)):
+        s = src[i]
+        ids = s["input_ids"].clone()
+        if i == 0:
+            ids[3] = 700                      # a token of a bigger tokenizer
+        dst.add(s["id"], ids, s["loss_mask"], s["aux"], s["last"], s["target_argmax"])
+    dst.finish()
+    with pytest.raises(TrainInputError, match=r"input_ids of sequences .*'train-0'.* holds id 700, outside the target vocab of 512"):
+        run_train(config_for(w, tmp_path / "o", "scratch", max_steps=12, epochs="null", **{"data.val_split": ""}))

@@ -116,3 +116,25 @@ def test_reuse_missing_init_and_bad_inputs(prepared, tiny_k25_target, tmp_path, 
     with pytest.raises(VocabStageError, match="inconsistent d2t"):
         run_vocab(vocab_config(root, tiny_k25_target, f"out_dir={tmp_path}/v3", "draft_vocab_size=32", "+init=aqmedai_k2",
                                f"init.drafter_path={bad}"))
+
+
+@pytest.mark.slow
+def test_entry_scripts_run_prepare_then_vocab(tmp_path, tiny_k25_target, tiny_corpus_jsonl):
+    """`python data/run_prepare.py` and `data/run_vocab.py` as `make prepare` / `make vocab` run
+    them: Hydra composition, from another working directory, outputs under paths.root."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    common = [f"paths.root={tmp_path}", f"target.path={tiny_k25_target}", f"target.tokenizer={tiny_k25_target}"]
+    run = lambda script, *args: subprocess.run([sys.executable, str(repo / "data" / script), *common, *args],
+                                               capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
+    p = run("run_prepare.py", f"input={tiny_corpus_jsonl}", "max_records=12")
+    assert p.returncode == 0, p.stderr
+    assert "records read 12" in p.stdout
+    v = run("run_vocab.py", "draft_vocab_size=40")
+    assert v.returncode == 0, v.stderr
+    assert "draft vocab 40 of 512" in v.stdout
+    out = tmp_path / "stages" / "k25_mini"
+    assert (out / "prepare" / "manifest.json").is_file() and (out / "vocab" / "vocab.safetensors").is_file()

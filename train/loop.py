@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 from eagle3.conf import as_plain_dict
 from eagle3.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
@@ -119,121 +120,126 @@ def run_train(config) -> Path:
     stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length, config.seed,
                          accelerator.process_index, accelerator.num_processes, config.data.bucket_window)
     total, per_epoch = total_steps(config, stream)
+    epoch_batches = stream.batches_per_epoch()
     scheduler, warmup = make_scheduler(optimizer, config.optim, total)
-    step, position, skipped, tokens_seen, prior_s = 0, 0, 0, 0, 0.0
+    step, position, skipped, tokens_seen, prior_s, first_val, last_val = 0, 0, 0, 0, 0.0, None, None
     if resume is not None:
         load_optimizer_state(objective, optimizer, resume["optimizer"], fsdp)
         scheduler.load_state_dict(resume["scheduler"])
         ckpt.restore_rng(resume["rng"][accelerator.process_index] if isinstance(resume["rng"], list) else resume["rng"])
         step, position, skipped = resume["step"], resume["position"], resume["nonfinite_skips"]
         tokens_seen, prior_s = resume["tokens_seen"], resume["elapsed_s"]
+        first_val, last_val = resume.get("val_start"), resume.get("val_last")
         if resume["total_steps"] != total and main:
             print(f"[train] total steps changed {resume['total_steps']} -> {total}: the LR schedule continues for {total}")
     if main and resume is None and (out / MANIFEST).exists():
         (out / MANIFEST).unlink()  # a stale manifest must not vouch for this (unfinished) run
     metrics = MetricsLogger(out, enabled=main, wandb_conf=config.wandb, run_config=as_plain_dict(config),
                             resume_step=None if resume is None else step)
-    if main:
-        print(f"[train] init={config.init.name} on {accelerator.num_processes} process(es), {device}, "
-              f"precision={mixed_precision(config)}, {str(accelerator.distributed_type).split('.')[-1]}; "
-              f"{len(inputs.train):,} train sequences, {per_epoch} steps/epoch, {total} steps (warmup {warmup})"
-              + (f"; resumed at step {step}" if resume else ""))
-
-    def validate(at_step: int) -> dict | None:
-        if inputs.val is None:
-            return None
-        res = run_validation(accelerator, objective, inputs.val, lm_head_rows, config, progress=config.progress and main)
-        if main and config.val_accept_sequences and not fsdp:
-            res["accept_length"] = simulated_accept_length(accelerator.unwrap_model(objective).drafter, inputs.val,
-                                                           config.val_accept_sequences)
-        metrics.log(at_step, res, kind="val")
-        return res
-
-    def save(at_step: int) -> None:
-        model_state = full_model_state(accelerator, objective)
-        optim_state = full_optimizer_state(accelerator, objective, optimizer, fsdp)
-        rngs = accelerator.gather_for_metrics([ckpt.rng_state()], use_gather_object=True) \
-            if accelerator.num_processes > 1 else [ckpt.rng_state()]
+    try:
         if main:
-            state = {"step": at_step, "position": position, "total_steps": total, "optimizer": optim_state,
-                     "scheduler": scheduler.state_dict(), "rng": rngs, "run_key": key, "nonfinite_skips": skipped,
-                     "tokens_seen": tokens_seen, "elapsed_s": prior_s + time.time() - t_start}
-            ckpt.save_checkpoint(ckpt_root, at_step, lambda d: write_drafter_dir(drafter, model_state, d), state,
-                                 config.keep_checkpoints)
-        accelerator.wait_for_everyone()
+            print(f"[train] init={config.init.name} on {accelerator.num_processes} process(es), {device}, "
+                  f"precision={mixed_precision(config)}, {str(accelerator.distributed_type).split('.')[-1]}; "
+                  f"{len(inputs.train):,} train sequences, {per_epoch} steps/epoch, {total} steps (warmup {warmup})"
+                  + (f"; resumed at step {step}" if resume else ""))
 
-    first_val = validate(step) if resume is None else None
-    loader = iter(make_loader(inputs.train, stream, position, config.data.max_length, config.data.num_workers,
-                              pin_memory=device.type == "cuda"))
-    stats = StepStats(config.ttt_length, device, config.step_decay)
-    bar = progress_bar(total, step, enabled=config.progress and main)
-    objective.train()
-    kill_after = int(os.environ.get("EAGLE3_FAULT_KILL_AFTER_STEP", "0") or 0)
-    t2d = drafter.t2d.cpu()
-    while step < total:
-        window = [next(loader) for _ in range(config.grad_accum)]
-        position += len(window)
-        denom = sum(step_position_counts(mb["loss_mask"], mb["target_argmax"], t2d, config.ttt_length) for mb in window)
-        denom = accelerator.reduce(denom.to(device), reduction="sum")
-        # accelerate divides by grad_accum and DDP averages over ranks: undo both, the loss is already global.
-        scale = float(config.grad_accum * accelerator.num_processes)
-        losses = []
-        for mb in window:
-            mb = batch_to_device(mb, device)
-            with accelerator.accumulate(objective):
-                try:
-                    res = objective(mb, lm_head_rows, step_denominators=denom)
-                except ValueError as e:
-                    raise TrainInputError(f"step {step + 1}: batch of sequences {mb['ids']}: {e}") from e
-                accelerator.backward(res.loss * scale)
-            losses.append(res.loss.detach())
-            stats.add_micro(res, mb)
-        grad_norm = accelerator.clip_grad_norm_(params, config.optim.grad_clip) if config.optim.grad_clip > 0 else \
-            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-        # One small all-reduce per step: any rank non-finite, and the step's real tokens over all ranks.
-        bad = (~torch.isfinite(torch.stack(losses).sum() + grad_norm)).float()
-        flags = accelerator.reduce(torch.stack([bad, torch.tensor(float(stats.window_tokens()), device=device)]),
-                                   reduction="sum")
-        if bool(flags[0] > 0):
-            where = _nonfinite_report(step + 1, window, losses, grad_norm)
+        def validate(at_step: int) -> dict | None:
+            if inputs.val is None:
+                return None
+            res = run_validation(accelerator, objective, inputs.val, lm_head_rows, config, progress=config.progress and main)
+            if main and config.val_accept_sequences and not fsdp:
+                res["accept_length"] = simulated_accept_length(accelerator.unwrap_model(objective).drafter, inputs.val,
+                                                               config.val_accept_sequences)
+            metrics.log(at_step, res, kind="val")
+            return res
+
+        def save(at_step: int) -> None:
+            model_state = full_model_state(accelerator, objective)
+            optim_state = full_optimizer_state(accelerator, objective, optimizer, fsdp)
+            rngs = gather_object([ckpt.rng_state()]) if accelerator.num_processes > 1 else [ckpt.rng_state()]
+            if main:
+                state = {"step": at_step, "position": position, "total_steps": total, "optimizer": optim_state,
+                         "scheduler": scheduler.state_dict(), "rng": rngs, "run_key": key, "nonfinite_skips": skipped,
+                         "tokens_seen": tokens_seen, "elapsed_s": prior_s + time.time() - t_start,
+                         "val_start": first_val, "val_last": last_val}
+                ckpt.save_checkpoint(ckpt_root, at_step, lambda d: write_drafter_dir(drafter, model_state, d), state,
+                                     config.keep_checkpoints)
+            accelerator.wait_for_everyone()
+
+        if resume is None:
+            first_val = validate(step)  # the init's own accuracy, the baseline the run must beat
+        workers = config.data.num_workers if config.data.num_workers >= 0 else (4 if device.type == "cuda" else 0)
+        loader = iter(make_loader(inputs.train, stream, position, config.data.max_length, workers,
+                                  pin_memory=device.type == "cuda"))
+        stats = StepStats(config.ttt_length, device, config.step_decay)
+        bar = progress_bar(total, step, enabled=config.progress and main)
+        objective.train()
+        kill_after = int(os.environ.get("EAGLE3_FAULT_KILL_AFTER_STEP", "0") or 0)
+        t2d = drafter.t2d.cpu()
+        vocab_size = t2d.numel()
+        while step < total:
+            window = [next(loader) for _ in range(config.grad_accum)]
+            position += len(window)
+            denom = sum(step_position_counts(mb["loss_mask"], mb["target_argmax"], t2d, config.ttt_length) for mb in window)
+            denom = accelerator.reduce(denom.to(device), reduction="sum")
+            # accelerate divides by grad_accum and DDP averages over ranks: undo both, the loss is already global.
+            scale = float(config.grad_accum * accelerator.num_processes)
+            losses = []
+            for mb in window:
+                _check_ids(mb, vocab_size, inputs.train.dir, step + 1)
+                mb = batch_to_device(mb, device)
+                with accelerator.accumulate(objective):
+                    try:
+                        res = objective(mb, lm_head_rows, step_denominators=denom)
+                    except ValueError as e:
+                        raise TrainInputError(f"step {step + 1}: batch of sequences {mb['ids']}: {e}") from e
+                    accelerator.backward(res.loss * scale)
+                losses.append(res.loss.detach())
+                stats.add_micro(res, mb)
+            grad_norm = accelerator.clip_grad_norm_(params, config.optim.grad_clip) if config.optim.grad_clip > 0 else \
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+            # One small all-reduce per step: any rank non-finite, and the step's real tokens over all ranks.
+            bad = (~torch.isfinite(torch.stack(losses).sum() + grad_norm)).float()
+            flags = accelerator.reduce(torch.stack([bad, torch.tensor(float(stats.window_tokens()), device=device)]),
+                                       reduction="sum")
+            if bool(flags[0] > 0):
+                where = _nonfinite_report(step + 1, window, losses, grad_norm)
+                optimizer.zero_grad(set_to_none=True)
+                if config.on_nonfinite == "stop":
+                    raise NonFiniteLossError(f"{where}; stopped without writing a checkpoint (newest intact one in "
+                                             f"{ckpt_root}); set on_nonfinite=skip to drop such updates instead")
+                skipped += 1
+                log.warning("%s: update skipped (%d so far)", where, skipped)
+                if skipped > config.max_nonfinite_skips:
+                    raise NonFiniteLossError(f"{skipped} non-finite updates (> max_nonfinite_skips={config.max_nonfinite_skips}); "
+                                             f"last: {where}")
+                stats.reset()
+                continue
+            optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if config.on_nonfinite == "stop":
-                metrics.close()
-                raise NonFiniteLossError(f"{where}; stopped without writing a checkpoint (newest intact one in "
-                                         f"{ckpt_root}); set on_nonfinite=skip to drop such updates instead")
-            skipped += 1
-            log.warning("%s: update skipped (%d so far)", where, skipped)
-            if skipped > config.max_nonfinite_skips:
-                metrics.close()
-                raise NonFiniteLossError(f"{skipped} non-finite updates (> max_nonfinite_skips={config.max_nonfinite_skips}); "
-                                         f"last: {where}")
-            stats.reset()
-            continue
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += int(flags[1])
-        stats.end_step(float(grad_norm))
-        bar.update(1)
-        if step % config.log_every == 0 or step == total:
-            row = stats.summary(accelerator, lr=scheduler.get_last_lr()[0], epoch=position / max(1, stream.batches_per_epoch()))
-            metrics.log(step, row)
-            bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}")
-        if config.val_every and step % config.val_every == 0 and step != total:
-            validate(step)
-        if step % config.checkpoint_every == 0 or step == total:
-            save(step)
-        if kill_after and step == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-    bar.close()
-    final_val = validate(step)
-    if main:
-        _write_final(out, drafter, full_model_state(accelerator, objective), config, inputs, report, step, total,
-                     tokens_seen, skipped, prior_s + time.time() - t_start, first_val, final_val, stream, metrics)
-    else:
-        full_model_state(accelerator, objective)
-    metrics.close()
+            step += 1
+            tokens_seen += int(flags[1])
+            stats.end_step(float(grad_norm))
+            bar.update(1)
+            if step % config.log_every == 0 or step == total:
+                row = stats.summary(accelerator, lr=scheduler.get_last_lr()[0], epoch=position / max(1, epoch_batches))
+                metrics.log(step, row)
+                bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}")
+            if (config.val_every and step % config.val_every == 0) or step == total:
+                last_val = validate(step)  # before the checkpoint, which records it
+            if step % config.checkpoint_every == 0 or step == total:
+                save(step)
+            if kill_after and step == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        bar.close()
+        if main:
+            _write_final(out, drafter, full_model_state(accelerator, objective), config, inputs, report, step, total,
+                         tokens_seen, skipped, prior_s + time.time() - t_start, first_val, last_val, stream, metrics)
+        else:
+            full_model_state(accelerator, objective)
+    finally:
+        metrics.close()  # also on errors: the wandb run and metrics file are closed cleanly
     accelerator.wait_for_everyone()
     return out
 
@@ -262,6 +268,16 @@ def _key_diff(a, b, prefix="") -> str:
         parts = [_key_diff(a.get(k), b.get(k), f"{prefix}{k}.") for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         return "; ".join(p for p in parts if p)
     return f"{prefix.rstrip('.')}: {a!r} -> {b!r}"
+
+
+def _check_ids(batch: dict, vocab_size: int, store_dir, step: int) -> None:
+    """Token ids outside the target vocab mean a store tokenized for another target (CPU tensors: cheap)."""
+    for key in ("input_ids", "target_argmax"):
+        top = int(batch[key].max())
+        if top >= vocab_size or int(batch[key].min()) < 0:
+            raise TrainInputError(f"step {step}: {key} of sequences {batch['ids']} in {store_dir} holds id {top}, "
+                                  f"outside the target vocab of {vocab_size}: the store was captured with another "
+                                  f"tokenizer/target than this vocab and drafter")
 
 
 def _nonfinite_report(step: int, window: list, losses: list, grad_norm) -> str:

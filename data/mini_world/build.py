@@ -215,7 +215,7 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     tok = _tokenizer_stage(cfg, out, stages, parts)
     t = time.perf_counter()
     enc = {k: {r: encode_conversations(tok, parts[(k, r)], max_tokens=cfg.max_tokens_per_conversation,
-                                        max_chars=cfg.tokenizer.max_chars_per_conversation)
+                                        max_chars=8 * cfg.max_tokens_per_conversation)
                for r in ("train", "eval")} for k in (PROSE, CODE)}
     stages.times["encode"] = time.perf_counter() - t
 

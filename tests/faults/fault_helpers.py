@@ -1,7 +1,10 @@
 """Helpers of the fault suite: stage configs for the fault pipeline, copying, and file damage."""
 from __future__ import annotations
 
+import contextlib
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 
@@ -54,3 +57,18 @@ def flip_in_tensor(path: Path, name: str, mask: int = 0x01) -> None:
 def truncate(path: Path, keep_fraction: float = 0.5) -> None:
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[: int(len(data) * keep_fraction)])
+
+
+@contextlib.contextmanager
+def file_size_limit(max_bytes: int):
+    """Writes past `max_bytes` in any one file fail with EFBIG from the kernel (RLIMIT_FSIZE), as on a
+    full disk: a real partial write, no privileges or mounts needed. SIGXFSZ is ignored so the write
+    returns the error instead of killing the process; both are restored afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
