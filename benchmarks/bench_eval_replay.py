@@ -37,39 +37,81 @@ def main():
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--knobs", default="2/1/3,3/1/4,3/2/6")
     ap.add_argument("--accuracy", action="store_true", help="also time the teacher-forced accuracy pass (TTT 7)")
+    ap.add_argument("--disk", action="store_true", help="write and read a real store (default: in-memory)")
     args = ap.parse_args()
     H, I, h, hkv, d, V, DV = PRESETS[args.preset]
     dt = getattr(torch, args.dtype)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=h, num_key_value_heads=hkv,
                         head_dim=d, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, aux_layer_ids=[0, 1, 2])
     torch.manual_seed(0)
-    with torch.device(args.device):
-        model = Eagle3Drafter(cfg).to(dt).eval()
+    with torch.device("meta"):
+        model = Eagle3Drafter(cfg)
+    model = model.to(dt).to_empty(device=args.device)
+    model.init_weights()
+    model.d2t.zero_()
+    model.t2d.zero_()
+    model.t2d[:DV] = True
+    model.embed_tokens.weight.data.normal_(0, 0.02)
+    model.eval()
     n_seq = max(1, args.tokens // args.seq_len)
-    with tempfile.TemporaryDirectory() as tmp:
-        w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, aux_layer_ids=[0, 1, 2],
-                              hf_indices=[1, 2, 3], dtype="bfloat16", shard_tokens=1 << 16)
-        for i in range(n_seq):
-            T = args.seq_len
-            ids = torch.randint(0, V, (T,))
-            mask = torch.ones(T, dtype=torch.bool)
-            mask[: T // 8] = False
-            w.add(f"s{i}", ids, mask, torch.randn(T, 3 * H), torch.zeros(T, H), torch.cat([ids[1:], ids[:1]]))
-        w.finish()
-        store = HiddenStateStore(Path(tmp) / "val")
-        print(f"{args.preset} drafter on {args.device} ({args.dtype}), {n_seq} sequences x {args.seq_len} tokens")
-        for label in args.knobs.split(","):
-            k = SpecKnobs(*map(int, label.split("/")))
-            t0 = time.perf_counter()
-            res = simulate_accept_length(model, store, [k], progress=False)[k.label]["drafter"]
-            dt_s = time.perf_counter() - t0
-            print(f"  replay {k.label}: {res.tokens} tokens in {res.cycles} cycles, {dt_s:.2f} s "
-                  f"-> {res.tokens / dt_s:,.0f} tokens/s, {1000 * dt_s / max(res.cycles, 1):.2f} ms/cycle")
-        if args.accuracy:
-            t0 = time.perf_counter()
-            teacher_forced_accuracy(model, store, 7, progress=False)
-            print(f"  teacher-forced accuracy (TTT 7): {time.perf_counter() - t0:.2f} s")
+    if args.disk:
+        with tempfile.TemporaryDirectory() as tmp:
+            w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, aux_layer_ids=[0, 1, 2],
+                                  hf_indices=[1, 2, 3], dtype="bfloat16", shard_tokens=1 << 16)
+            for i in range(n_seq):
+                s = FakeStore.make(i, args.seq_len, H, V)
+                w.add(f"s{i}", s["input_ids"], s["loss_mask"], s["aux"], torch.zeros(args.seq_len, H), s["target_argmax"])
+            w.finish()
+            run(args, model, HiddenStateStore(Path(tmp) / "val"), n_seq)
+    else:
+        run(args, model, FakeStore(n_seq, args.seq_len, H, V, args.device), n_seq)
 
+
+class FakeStore:
+    """In-memory stand-in for HiddenStateStore: random greedy-consistent sequences made on demand
+    (a 1M-token store at K2 width would be 43 GB of aux states)."""
+
+    def __init__(self, n, T, H, V, device):
+        self.n, self.T, self.H, self.V, self.device = n, T, H, V, device
+
+    @staticmethod
+    def make(i, T, H, V, device="cpu"):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, V, (T,), generator=g)
+        mask = torch.ones(T, dtype=torch.bool)
+        mask[: T // 8] = False
+        aux = torch.randn(T, 3 * H, generator=g).to(device=device, dtype=torch.bfloat16)
+        return {"id": f"s{i}", "input_ids": ids, "loss_mask": mask, "aux": aux, "last": None,
+                "target_argmax": torch.cat([ids[1:], ids[:1]])}
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.make(i, self.T, self.H, self.V, self.device)
+
+
+def run(args, model, store, n_seq):
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    print(f"{args.preset} drafter on {args.device} ({args.dtype}), {n_seq} sequences x {args.seq_len} tokens")
+    for label in args.knobs.split(","):
+        k = SpecKnobs(*map(int, label.split("/")))
+        sync()
+        t0 = time.perf_counter()
+        res = simulate_accept_length(model, store, [k], progress=False)[k.label]["drafter"]
+        sync()
+        dt_s = time.perf_counter() - t0
+        print(f"  replay {k.label} (+ n-gram): {res.tokens} tokens in {res.cycles} cycles, {dt_s:.2f} s "
+              f"-> {res.tokens / dt_s:,.0f} tokens/s, {1000 * dt_s / max(res.cycles, 1):.3f} ms/cycle")
+    if args.accuracy:
+        sync()
+        t0 = time.perf_counter()
+        teacher_forced_accuracy(model, store, 7, progress=False)
+        sync()
+        print(f"  teacher-forced accuracy (TTT 7): {time.perf_counter() - t0:.2f} s")
 
 if __name__ == "__main__":
     main()

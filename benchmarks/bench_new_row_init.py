@@ -10,6 +10,8 @@ fine-tune (same seed, same batches, AdamW on all trainable weights):
 
     python benchmarks/bench_new_row_init.py                       # runs/ mini world, k25_mini
     python benchmarks/bench_new_row_init.py --root /big/runs --train-steps 200
+    # no aqmedai-k2-mini yet: train a stand-in on the k2_mini capture + vocab stages first
+    python benchmarks/bench_new_row_init.py --make-old runs/mini_world/aqmedai-k2-mini-standin
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from eagle3 import target_io  # noqa: E402
-from eagle3.drafter_io import load_drafter_dir  # noqa: E402
+from eagle3.drafter_io import load_drafter_dir, save_drafter_dir  # noqa: E402
 from eagle3.init_drafter import build_training_drafter  # noqa: E402
 from eagle3.loss import loss_positions, shift_left  # noqa: E402
 from eagle3.store import HiddenStateStore  # noqa: E402
@@ -76,6 +78,35 @@ def evaluate(model, store, lm_rows, fresh_mask, ttt, max_len, bs):
             "new_token_acc_step0": round(fresh_ok / max(fresh_n, 1), 4), "new_token_positions": fresh_n}
 
 
+def fine_tune(model, store, lm_rows, steps, lr, bs, max_len, ttt, seed=0):
+    """AdamW (betas 0.9/0.95, clip 0.5) on random batches of `store`, same batches for every rule."""
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=(0.9, 0.95))
+    rng = random.Random(seed)
+    for _ in range(steps):
+        b = batch_of(store, rng.sample(range(len(store)), min(bs, len(store))), max_len)
+        out = ttt_unroll(model, b["aux"], b["input_ids"], b["last"], b["target_argmax"], b["loss_mask"], lm_rows, ttt)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
+        opt.step()
+    return out
+
+
+def train_old_drafter(args):
+    """--make-old OUT: a scratch drafter trained on the OLD target's capture (the stand-in for
+    AQ-MedAI's K2 drafter when the demo has not exported aqmedai-k2-mini yet)."""
+    root = Path(args.root)
+    stages = root / "stages" / args.old_target
+    target = Path(args.old_target_dir or root / "mini_world" / "k2-mini")
+    train = HiddenStateStore(stages / "capture" / "train")
+    new_ids = ids_from_d2t(load_file(str(stages / "vocab" / "vocab.safetensors"))["d2t"])
+    lm_rows = target_io.load_lm_head_rows(target, "causal_lm", new_ids).float()
+    model, _ = build_training_drafter("scratch", None, target, "causal_lm", new_ids, train.aux_layer_ids)
+    out = fine_tune(model, train, lm_rows, args.old_steps, args.lr * 2, args.batch, args.max_len, args.ttt)
+    save_drafter_dir(model, args.make_old, dtype="bfloat16")
+    print(json.dumps({"old_drafter": args.make_old, "steps": args.old_steps, "last_step_acc": out.step_acc.tolist()}))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1] / "runs"))
@@ -89,7 +120,13 @@ def main():
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--ttt", type=int, default=3)
     ap.add_argument("--rules", nargs="+", default=list(RULES))
+    ap.add_argument("--make-old", default=None, help="train the old-relative drafter into this dir and exit")
+    ap.add_argument("--old-target", default="k2_mini")
+    ap.add_argument("--old-target-dir", default=None, help="default <root>/mini_world/k2-mini")
+    ap.add_argument("--old-steps", type=int, default=300)
     args = ap.parse_args()
+    if args.make_old:
+        return train_old_drafter(args)
     root = Path(args.root)
     stages = root / "stages" / args.target
     target = Path(args.target_dir or root / "mini_world" / "k25-mini")
@@ -109,17 +146,8 @@ def main():
         model, report = build_training_drafter("aqmedai_k2", old, target, args.layout, new_ids, train.aux_layer_ids,
                                                rule)
         before = evaluate(model, val, lm_rows, fresh_mask, args.ttt, args.max_len, args.batch)
-        opt = torch.optim.AdamW(model.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95))
-        rng = random.Random(0)
         t0 = time.perf_counter()
-        for step in range(args.train_steps):
-            b = batch_of(train, rng.sample(range(len(train)), min(args.batch, len(train))), args.max_len)
-            out = ttt_unroll(model, b["aux"], b["input_ids"], b["last"], b["target_argmax"], b["loss_mask"], lm_rows,
-                             args.ttt)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
-            opt.step()
+        fine_tune(model, train, lm_rows, args.train_steps, args.lr, args.batch, args.max_len, args.ttt)
         after = evaluate(model, val, lm_rows, fresh_mask, args.ttt, args.max_len, args.batch)
         results[rule] = {"remap": report["lm_head_remap"], "before": before, "after": after,
                          "train_s": round(time.perf_counter() - t0, 1)}

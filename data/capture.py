@@ -20,7 +20,6 @@ test can kill a real capture process in the middle of its work.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -233,10 +232,16 @@ def summarize(manifest: dict, plan_counts: dict) -> dict:
 
 
 def default_dist() -> Dist:
-    """The accelerate process group when launched with `accelerate launch`, else one process."""
+    """The process group of `accelerate launch` / `torchrun` (one process otherwise). CPU runs need
+    PartialState(cpu=True) to join the group; a mismatch with WORLD_SIZE would make every process
+    capture everything, so it is an error."""
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if state.num_processes != world_env:
+        raise CaptureError(f"launched as {world_env} processes (WORLD_SIZE) but accelerate sees "
+                           f"{state.num_processes}; use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     return Dist(state.process_index, state.num_processes, state.wait_for_everyone)
 
 

@@ -456,6 +456,10 @@ def run_prepare(cfg) -> "Path":
         shutil.rmtree(tmp, ignore_errors=True)
         raise PrepareError(f"no usable conversation in {src}: {info.records} records read, skipped by reason "
                            f"{ {k: v for k, v in skips.as_dict().items() if v} }; examples: {skips.examples}")
+    if writers["train"].rows == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PrepareError(f"all {kept} usable conversations fell into the validation split; "
+                           f"lower validation_fraction={cfg.validation_fraction} or add data")
     splits = {name: w.save(tmp / name) for name, w in writers.items()}
     # Swap the new splits in; the old manifest goes first so a crash never leaves a manifest
     # that describes different data. (The regenerated/ cache is left alone.)

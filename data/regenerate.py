@@ -190,7 +190,8 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
     elif todo and r.backend == "openai":
         client = ChatClient.from_conf(r)
         client.preflight()
-        with ThreadPoolExecutor(max_workers=r.openai.concurrency) as pool:
+        pool = ThreadPoolExecutor(max_workers=r.openai.concurrency)
+        try:
             futs = {pool.submit(regenerate_batch, [c], lambda ms: [client.complete(ms[0])]): c for c in todo}
             for fut in as_completed(futs):
                 conv = futs[fut]
@@ -200,8 +201,10 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
                     failures[conv.id] = str(e)
                     bar.update(1)
                     continue
-                finished(conv, msgs, fins)
-        client.close()
+                finished(conv, msgs, fins)  # only this thread writes the store
+        finally:  # on Ctrl-C / an error: drop the queued conversations (finished ones are on disk)
+            pool.shutdown(wait=False, cancel_futures=True)
+            client.close()
         stats["retries"] = client.retries
     bar.close()
 

@@ -76,19 +76,29 @@ def target_vocab_size(cfg) -> int:
         raise VocabStageError(f"cannot tell the target vocab size ({e}); set target_vocab_size=V") from e
 
 
+def drafter_weight_files(drafter_dir) -> list[Path]:
+    d = Path(drafter_dir)
+    main = d / "model.safetensors"
+    return [main] if main.is_file() else sorted(d.glob("*.safetensors"))
+
+
 def read_init_mapping(drafter_dir: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
     """Target ids of an existing drafter's draft vocab, from its `d2t` (and `t2d` if present)."""
     from safetensors import safe_open
 
-    path = Path(drafter_dir) / "model.safetensors"
-    if not path.is_file():
-        raise VocabStageError(f"init drafter {drafter_dir}: no model.safetensors")
-    with safe_open(str(path), "pt") as f:
-        keys = set(f.keys())
-        if "d2t" not in keys:
-            raise VocabStageError(f"{path}: has no `d2t` tensor (keys: {sorted(keys)[:10]}...)")
-        d2t = f.get_tensor("d2t")
-        t2d = f.get_tensor("t2d") if "t2d" in keys else None
+    files = drafter_weight_files(drafter_dir)
+    if not files:
+        raise VocabStageError(f"init drafter {drafter_dir}: no *.safetensors weights")
+    d2t = t2d = path = None
+    for file in files:  # model.safetensors, or the shard that holds d2t
+        with safe_open(str(file), "pt") as f:
+            keys = set(f.keys())
+            if "d2t" in keys:
+                path, d2t = file, f.get_tensor("d2t")
+                t2d = f.get_tensor("t2d") if "t2d" in keys else None
+                break
+    if d2t is None:
+        raise VocabStageError(f"init drafter {drafter_dir}: no `d2t` tensor in {[f.name for f in files]}")
     note = {"path": str(path), "has_t2d": t2d is not None}
     try:
         ids = validate_mapping(d2t, t2d if t2d is not None and t2d.numel() == vocab_size else None)
@@ -141,7 +151,8 @@ def run_vocab(cfg) -> Path:
     if not split_dir.is_dir():
         raise VocabStageError(f"{in_dir}: no {cfg.split}/ split (is the prepare stage complete?)")
     init_dir = Path(cfg.init.drafter_path) if cfg.init is not None and cfg.init.drafter_path else None
-    init_fp = sha256_file(init_dir / "model.safetensors") if init_dir and (init_dir / "model.safetensors").is_file() else None
+    init_files = drafter_weight_files(init_dir) if init_dir is not None and init_dir.is_dir() else []
+    init_fp = ";".join(sha256_file(f) for f in init_files) if init_files else None
     inputs_fp = {"prepare": fingerprint(in_dir), "init_drafter": init_fp}
     try:
         old_m = read_manifest(out, "vocab")

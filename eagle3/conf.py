@@ -55,9 +55,12 @@ def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name=stage):
+    if GlobalHydra.instance().is_initialized():
+        # Inside a running Hydra app (the demo): its search path is this same conf/ tree.
         cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name=stage):
+            cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -161,6 +161,21 @@ class _ShardBuffer:
         self.used, self.seqs = 0, []
 
 
+def _lock_dir(store_dir: Path):
+    """An exclusive advisory lock on `store_dir/.lock`: two writers on one store would interleave
+    shards. The kernel drops it when the process dies, so a killed capture never leaves it stale."""
+    import fcntl
+
+    f = open(store_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise StoreError(f"{store_dir}: another process is writing this store (.lock is held); "
+                         f"two captures into one out_dir would interleave shards") from None
+    return f
+
+
 def _read_store_manifest(store_dir: Path) -> dict:
     path = store_dir / MANIFEST
     if not path.is_file():
@@ -192,6 +207,7 @@ class HiddenStateWriter:
             raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_dir(self.dir)  # held until finish() (or process exit, even on SIGKILL)
         self.torch_dtype = DTYPES[dtype]
         self.aux_width = len(aux_layer_ids) * target_hidden_size
         self.hidden_size = hidden_size
@@ -343,6 +359,10 @@ class HiddenStateWriter:
         self.manifest.update(json.loads(json.dumps(extra)))
         self.manifest["complete"] = True
         _write_json(self.dir / MANIFEST, self.manifest)
+        if self._lock is not None:  # a complete store needs no lock: remove it, then release it
+            (self.dir / ".lock").unlink(missing_ok=True)
+            self._lock.close()
+            self._lock = None
         return self.manifest
 
 

@@ -51,7 +51,9 @@ def export_tensors(state: Mapping[str, torch.Tensor], fmt: str, dtype: torch.dty
 def write_format_dir(path: Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                      fmt: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    save_file(dict(tensors), str(path / WEIGHTS), metadata={"format": "pt", "eagle3_export_format": fmt})
+    # one metadata key only: safetensors writes metadata from a hash map, so several keys come out in a
+    # random order and the same export would not be byte-identical from one run to the next
+    save_file(dict(tensors), str(path / WEIGHTS), metadata={"format": "pt"})
     atomic_write_json(path / CONFIG, dict(config))
 
 

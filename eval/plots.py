@@ -82,8 +82,9 @@ def plot_acceptance_by_position(accept: dict, path: Path) -> Optional[Path]:
 
 
 def read_training_curve(train_dir: Optional[str | Path]) -> dict[str, list[tuple[int, float]]]:
-    """Series from `<train_dir>/metrics.jsonl`: every numeric key naming an accept length or a
-    validation accuracy, against `step`. Unreadable lines are skipped."""
+    """Validation series from `<train_dir>/metrics.jsonl` (train/metrics.py rows with kind "val"):
+    `accept <knobs>` from its `accept_length` {label: value} and `step-k accuracy` from its `acc`
+    list, against `step`. Unreadable lines are skipped."""
     if not train_dir:
         return {}
     path = Path(train_dir) / "metrics.jsonl"
@@ -95,11 +96,15 @@ def read_training_curve(train_dir: Optional[str | Path]) -> dict[str, list[tuple
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(rec, dict) or "step" not in rec:
+        if not isinstance(rec, dict) or rec.get("kind") != "val" or "step" not in rec:
             continue
-        for key, value in rec.items():
-            if isinstance(value, (int, float)) and ("accept" in key or (key.startswith("val") and "acc" in key)):
-                series.setdefault(key, []).append((int(rec["step"]), float(value)))
+        step = int(rec["step"])
+        for label, value in (rec.get("accept_length") or {}).items():
+            if isinstance(value, (int, float)):
+                series.setdefault(f"accept {label}", []).append((step, float(value)))
+        for k, value in enumerate(rec.get("acc") or []):
+            if isinstance(value, (int, float)) and k < 3:
+                series.setdefault(f"step-{k} accuracy", []).append((step, float(value)))
     return series
 
 
@@ -107,13 +112,17 @@ def plot_training_curve(train_dir: Optional[str | Path], path: Path) -> Optional
     series = read_training_curve(train_dir)
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     for key, pts in sorted(series.items()):
         pts.sort()
+        ax = ax_tau if key.startswith("accept") else ax_acc
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", ms=3, label=key)
-    ax.set_xlabel("training step")
-    ax.set_title("Validation over training")
-    ax.legend(fontsize=7)
+    ax_tau.set_title("Simulated accept length over training")
+    ax_acc.set_title("Validation accuracy over training")
+    for ax in (ax_tau, ax_acc):
+        ax.set_xlabel("training step")
+        if ax.lines:
+            ax.legend(fontsize=7)
     return _save(fig, path)
 
 

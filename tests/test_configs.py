@@ -9,6 +9,9 @@ from eagle3.conf import CONF_DIR, ConfigError, compose, to_schema
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+# Stages with no target or init (the mini world, and the demo that picks them itself).
+TARGETLESS = {"mini_world", "demo"}
+TARGETED = [s for s in STAGES if s not in TARGETLESS]
 TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
 INITS = sorted(p.stem for p in (CONF_DIR / "init").glob("*.yaml"))
 
@@ -26,12 +29,10 @@ def stage_schema(stage):
     return getattr(mod, name)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", TARGETED)
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("init", INITS)
 def test_every_stage_target_init_composes(stage, target, init, tmp_path):
-    if stage == "mini_world":
-        pytest.skip("the mini world has no target or init; composed in test_mini_world_config_composes")
     cfg = compose(stage, [f"+init={init}", f"paths.root={tmp_path}", f"target={target}"])
     paths = to_schema(cfg.paths, PathsConf)
     assert Path(paths.root) == tmp_path
@@ -47,6 +48,20 @@ def test_mini_world_config_composes(tmp_path):
     cfg = compose("mini_world", [f"paths.root={tmp_path}"])
     typed = to_schema(cfg, stage_schema("mini_world"))
     assert Path(typed.out_dir) == tmp_path / "mini_world"
+
+
+@pytest.mark.parametrize("size", sorted(p.stem for p in (CONF_DIR / "demo_size").glob("*.yaml")))
+def test_demo_config_composes_for_every_size(size, tmp_path):
+    cfg = compose("demo", [f"paths.root={tmp_path}", f"demo_size={size}"])
+    typed = to_schema(cfg, stage_schema("demo"))
+    assert typed.train_steps > 0 and Path(typed.out_dir).is_relative_to(tmp_path)
+    # every per-stage override of the preset must compose into that stage's typed config
+    for stage in ("prepare", "capture", "vocab", "train", "eval", "export"):
+        extra = ["+init=scratch"] if stage in ("train", "export", "eval") else []
+        stage_cfg = compose(stage, [f"paths.root={tmp_path}"] + extra + list(getattr(typed.overrides, stage)))
+        to_schema(stage_cfg, stage_schema(stage))
+    mw = compose("mini_world", [f"paths.root={tmp_path}"] + list(typed.overrides.mini_world))
+    to_schema(mw, stage_schema("mini_world"))
 
 
 def test_default_root_is_the_checkout_not_cwd(tmp_path, monkeypatch):

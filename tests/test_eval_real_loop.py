@@ -68,23 +68,32 @@ def fitted_drafter(tiny_k25_target, target, seqs, steps=60):
 @pytest.mark.parametrize("steps,draft_tokens", [(2, 3), (3, 4), (3, 3)])
 def test_speculative_decode_is_lossless_with_a_random_drafter(target, tiny_k25_target, steps, draft_tokens):
     d = new_drafter(tiny_k25_target).eval()
-    for p in prompts(2):
-        base = greedy_decode(target, p, 20)
-        spec = speculative_decode(target, d, p, 20, steps, draft_tokens)
-        assert spec.tokens == base.tokens and len(spec.tokens) == 20
-        assert sum(spec.emitted) == 19 and len(spec.verify_ms) == len(spec.emitted)
+    p = prompts(1)[0]
+    base = greedy_decode(target, p, 16)
+    spec = speculative_decode(target, d, p, 16, steps, draft_tokens)
+    assert spec.tokens == base.tokens and len(spec.tokens) == 16
+    assert sum(spec.emitted) == 15 and len(spec.verify_ms) == len(spec.emitted)
+
+
+def test_speculative_decode_stops_at_eos_like_greedy(target, tiny_k25_target, fitted):
+    ps, d = fitted
+    base = greedy_decode(target, ps[0], 24)
+    eos = base.tokens[5]  # pretend a token the target emits early is the EOS
+    base_eos = greedy_decode(target, ps[0], 24, eos_token_id=[eos])
+    spec = speculative_decode(target, d, ps[0], 24, 3, 4, eos_token_id=eos)
+    assert spec.tokens == base_eos.tokens and spec.tokens[-1] == eos and len(spec.tokens) <= 6
 
 
 @pytest.fixture(scope="module")
 def fitted(target, tiny_k25_target):
-    ps = prompts(3)
-    seqs = [(torch.cat([p, torch.tensor(greedy_decode(target, p, 30).tokens)]), p.numel()) for p in ps]
-    return ps, fitted_drafter(tiny_k25_target, target, seqs)
+    ps = prompts(2)
+    seqs = [(torch.cat([p, torch.tensor(greedy_decode(target, p, 24).tokens)]), p.numel()) for p in ps]
+    return ps, fitted_drafter(tiny_k25_target, target, seqs, steps=40)
 
 
 def test_fitted_drafter_is_lossless_and_real_equals_simulated(target, fitted):
     ps, d = fitted
-    rep = real_vs_simulated(target, d, ps, [SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4), SpecKnobs(3, 2, 6)], 30)
+    rep = real_vs_simulated(target, d, ps, [SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4), SpecKnobs(3, 2, 6)], 24)
     assert rep["skipped_knobs"] == ["3/2/6"]
     for label in ("2/1/3", "3/1/4"):
         r = rep["knobs"][label]

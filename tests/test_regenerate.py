@@ -258,3 +258,27 @@ def test_server_command_line_serves_and_injects_faults():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_interrupted_hf_run_keeps_finished_conversations(tmp_path, tiny_k25_target, k25_generator, monkeypatch):
+    from data import regenerate
+
+    class Dies:  # the real generator, killed (Ctrl-C) on its third batch
+        calls = 0
+
+        def generate(self, prompts):
+            Dies.calls += 1
+            if Dies.calls == 3:
+                raise KeyboardInterrupt
+            return k25_generator.generate(prompts)
+
+    monkeypatch.setattr(regenerate.HFGenerator, "from_target", classmethod(lambda cls, *a: Dies()))
+    corpus = write_corpus(tmp_path / "c.jsonl", CONVS[:1] + CONVS[2:3] + CONVS[1:2])  # single-turn ones first
+    cfg = regen_config(tmp_path, tiny_k25_target, corpus, "hf", "regenerate.batch_size=1")
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare(cfg)
+    store = next((tmp_path / "stages" / "k25_mini" / "prepare" / "regenerated").glob("hf-*.jsonl"))
+    assert sorted(json.loads(line)["id"] for line in list(open(store))[1:]) == ["a", "c"]  # finished ones survived
+    monkeypatch.setattr(regenerate.HFGenerator, "from_target", classmethod(lambda cls, *a: k25_generator))
+    m = read_manifest(run_prepare(cfg), "prepare")
+    assert m["regenerate"]["resumed"] == 2 and m["regenerate"]["generated"] == 1 and m["counts"]["kept"] == 3

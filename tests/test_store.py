@@ -85,6 +85,7 @@ def test_resume_after_kill_is_byte_identical(tmp_path, background):
     for i in range(5):
         w.add(**make_seq(i, LENGTHS[i]))
     w._wait()
+    w._lock.close()  # what the kernel does for a killed process
     del w
     (crash_dir / ".shard-00002.safetensors.abc.tmp").write_bytes(b"partial")
     (crash_dir / "shard-00002.safetensors").write_bytes(b"renamed but not listed")
@@ -96,6 +97,7 @@ def test_resume_after_kill_is_byte_identical(tmp_path, background):
     assert w2.done_ids == {"s0", "s1", "s2", "s3"}
     assert not (crash_dir / "shard-00002.safetensors").exists()
     assert not list(crash_dir.glob(".*.tmp"))
+    w2._lock.close()
     write_all(crash_dir)
     assert shard_bytes(crash_dir) == shard_bytes(ref_dir)
     assert (crash_dir / "manifest.json").read_bytes() == (ref_dir / "manifest.json").read_bytes()
@@ -208,3 +210,13 @@ def test_shards_are_standard_safetensors(tmp_path):
                                                   "target_argmax": torch.int32, "offsets": torch.int64}
     assert t["aux"].shape == (8, 3 * H) and t["offsets"].tolist() == [0, 5, 8]
     assert torch.equal(t["input_ids"][5:8].long(), make_seq(1, 3)["input_ids"])
+
+
+def test_two_writers_on_one_store_are_refused(tmp_path):
+    w = writer(tmp_path)
+    with pytest.raises(StoreError, match="another process is writing"):
+        writer(tmp_path)
+    w.add(**make_seq(0, 3))
+    w.finish()
+    assert not (tmp_path / ".lock").exists()
+    writer(tmp_path).finish()  # the lock is gone with the first writer

@@ -1,7 +1,6 @@
 """eagle3.target_io: text config, single tensors from the checkpoint, layer-id resolution, and the
 aux-state hooks on both layouts (Kimi-K2.5 wrapper and a plain DeepSeek-V3 causal LM)."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,51 +11,21 @@ from eagle3.target_io import (AuxHiddenCapture, TargetError, argmax_from_last, d
                               load_checkpoint_tensor, load_embed_tokens, load_lm_head_rows, load_target,
                               read_text_config, resolve_aux_layer_ids, text_model)
 
-TINY_TEXT = dict(vocab_size=96, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=5,
-                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
-                 qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                 first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256, num_mtp_layers=0,
-                 tie_word_embeddings=False)
-
-
-def build_tiny_target(out_dir: Path, layout: str, seed: int = 0) -> Path:
-    """A tiny random DeepSeek-V3 target saved as a plain causal LM or in the Kimi-K2.5 layout
-    (Kimi_K25 config with text_config; text weights renamed to the real checkpoint's
-    `language_model.model.layers.N.*`, which transformers' save_pretrained writes as `blocks`)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    if layout == "causal_lm":
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_TEXT))
-    else:
-        cfg = transformers.Kimi_K25Config(
-            text_config=dict(TINY_TEXT), tie_word_embeddings=False, projection_hidden_size=16,
-            vision_config=dict(num_hidden_layers=1, hidden_size=16, intermediate_size=16, num_attention_heads=2))
-        model = transformers.Kimi_K25ForConditionalGeneration(cfg)
-    with torch.no_grad():  # lift the tiny init so layers differ visibly from each other
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    model.save_pretrained(out_dir)
-    if layout == "kimi_k25":
-        f = out_dir / "model.safetensors"
-        sd = load_file(f)
-        sd = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in sd.items()}
-        save_file(sd, f, metadata={"format": "pt"})
-    return out_dir
+from conftest import TINY_TARGET_HIDDEN as H, TINY_TARGET_LAYERS as L, TINY_VOCAB as V
 
 
 @pytest.fixture(scope="module")
-def tiny_targets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("targets")
-    return {layout: build_tiny_target(root / layout, layout) for layout in ("kimi_k25", "causal_lm")}
+def tiny_targets(tiny_k25_target, tiny_k2_target):
+    """conftest's tiny targets: one random DeepSeek-V3 text model, in the Kimi-K2.5 layout and as a
+    plain causal LM (8 layers, hidden 64, vocab 512, untied lm_head)."""
+    return {"kimi_k25": tiny_k25_target, "causal_lm": tiny_k2_target}
 
 
 def test_read_text_config_both_layouts(tiny_targets, tmp_path):
     for layout in ("kimi_k25", "causal_lm"):
         cfg = read_text_config(tiny_targets[layout], layout)
-        assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (16, 5, 96)
-        assert cfg["max_position_embeddings"] == 256
+        assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (H, L, V)
+        assert cfg["max_position_embeddings"] > 0
     with pytest.raises(TargetError, match="text_config"):
         read_text_config(tiny_targets["causal_lm"], "kimi_k25")
     with pytest.raises(TargetError, match="use layout kimi_k25"):
@@ -72,11 +41,11 @@ def test_checkpoint_tensors_match_the_loaded_model(tiny_targets):
         assert torch.equal(embed, text_model(model).embed_tokens.weight)
         head = target_io.lm_head(model).weight
         assert not torch.equal(head, embed)  # not tied (Kimi does not tie)
-        rows = torch.tensor([95, 3, 40, 3, 0])
+        rows = torch.tensor([V - 1, 3, 40, 3, 0])
         assert torch.equal(load_lm_head_rows(tiny_targets[layout], layout, rows, block_rows=7), head[rows])
         assert torch.equal(load_lm_head_rows(tiny_targets[layout], layout, None), head)
         with pytest.raises(TargetError, match="out of range"):
-            load_lm_head_rows(tiny_targets[layout], layout, torch.tensor([96]))
+            load_lm_head_rows(tiny_targets[layout], layout, torch.tensor([V]))
 
 
 def test_sharded_checkpoint_via_index(tiny_targets, tmp_path):
@@ -108,39 +77,39 @@ def test_resolve_aux_layer_ids(tmp_path):
     assert resolve_aux_layer_ids(drafter, [2, 30, 58], 61)[0] == [2, 30, 58]
     with pytest.raises(TargetError, match="conflicts"):
         resolve_aux_layer_ids(drafter, [1, 2, 3], 61)
-    with pytest.raises(TargetError, match=r"\[30, 58\] outside .*\[0, 5\)"):
-        resolve_aux_layer_ids(drafter, None, 5)  # K2.5 ids on a 5-layer target
+    with pytest.raises(TargetError, match=r"\[30, 58\] outside .*\[0, 8\)"):
+        resolve_aux_layer_ids(drafter, None, 8)  # K2.5 ids on an 8-layer target
     with pytest.raises(TargetError, match="outside"):
         resolve_aux_layer_ids(None, [-1, 2, 3], 61)
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text("{}")
-    assert resolve_aux_layer_ids(bare, [0, 1, 4], 5)[2] == "config"  # no eagle_config: falls through
+    assert resolve_aux_layer_ids(bare, [0, 1, 4], 8)[2] == "config"  # no eagle_config: falls through
 
 
 @pytest.mark.parametrize("layout", ["kimi_k25", "causal_lm"])
 def test_hooks_capture_hf_hidden_states_i_plus_1(tiny_targets, layout):
     model, text_cfg = load_target(tiny_targets[layout], layout, dtype="float32")
-    assert len(decoder_layers(model)) == text_cfg["num_hidden_layers"] == 5
-    ids = [0, 2, 3]
-    input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    assert len(decoder_layers(model)) == text_cfg["num_hidden_layers"] == L
+    ids = [0, 3, 6]
+    input_ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(input_ids=input_ids, output_hidden_states=True)
         with AuxHiddenCapture(model, ids) as cap:
             text_model(model)(input_ids=input_ids)
             aux, last = cap.aux, cap.last
     hs = ref.hidden_states
-    assert len(hs) == 6
+    assert len(hs) == L + 1
     for k, i in enumerate(ids):
         torch.testing.assert_close(aux[k], hs[i + 1], rtol=0, atol=0)
         assert not torch.allclose(aux[k], hs[i], atol=1e-3)  # off-by-one would be caught
     # the post-norm state lm_head consumes: lm_head(last) reproduces the model's logits
     torch.testing.assert_close(target_io.lm_head(model)(last), ref.logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(argmax_from_last(model, last, chunk_tokens=5), ref.logits.argmax(-1))
-    assert cap.aux_concat().shape == (2, 11, 48)
+    assert cap.aux_concat().shape == (2, 11, 3 * H)
     assert final_norm(model)._forward_hooks == {}  # hooks removed on exit
     with pytest.raises(TargetError, match="outside"):
-        AuxHiddenCapture(model, [5])
+        AuxHiddenCapture(model, [L])
 
 
 def test_load_target_errors(tmp_path, tiny_targets):

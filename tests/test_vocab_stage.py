@@ -120,21 +120,23 @@ def test_reuse_missing_init_and_bad_inputs(prepared, tiny_k25_target, tmp_path, 
 
 @pytest.mark.slow
 def test_entry_scripts_run_prepare_then_vocab(tmp_path, tiny_k25_target, tiny_corpus_jsonl):
-    """`python data/run_prepare.py` and `data/run_vocab.py` as `make prepare` / `make vocab` run
-    them: Hydra composition, from another working directory, outputs under paths.root."""
+    """`data/run_prepare.py` then `data/run_vocab.py` run as scripts (as `make prepare` / `make
+    vocab` do: Hydra composition, from another working directory, outputs under paths.root).
+    Both run in one interpreter (runpy, as `__main__`) to pay the torch/transformers import once."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     common = [f"paths.root={tmp_path}", f"target.path={tiny_k25_target}", f"target.tokenizer={tiny_k25_target}"]
-    run = lambda script, *args: subprocess.run([sys.executable, str(repo / "data" / script), *common, *args],
-                                               capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
-    p = run("run_prepare.py", f"input={tiny_corpus_jsonl}", "max_records=12")
+    runs = [(str(repo / "data" / "run_prepare.py"), [*common, f"input={tiny_corpus_jsonl}", "max_records=12"]),
+            (str(repo / "data" / "run_vocab.py"), [*common, "draft_vocab_size=40"])]
+    driver = ("import runpy, sys\n"
+              f"for script, args in {runs!r}:\n"
+              "    sys.argv = [script, *args]\n"
+              "    runpy.run_path(script, run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "records read 12" in p.stdout
-    v = run("run_vocab.py", "draft_vocab_size=40")
-    assert v.returncode == 0, v.stderr
-    assert "draft vocab 40 of 512" in v.stdout
+    assert "records read 12" in p.stdout and "draft vocab 40 of 512" in p.stdout
     out = tmp_path / "stages" / "k25_mini"
     assert (out / "prepare" / "manifest.json").is_file() and (out / "vocab" / "vocab.safetensors").is_file()

@@ -139,7 +139,7 @@ def run_train(config) -> Path:
     try:
         if main:
             print(f"[train] init={config.init.name} on {accelerator.num_processes} process(es), {device}, "
-                  f"precision={mixed_precision(config)}, {str(accelerator.distributed_type).split('.')[-1]}; "
+                  f"precision={mixed_precision(config)}, {_wrapper_name(accelerator)}; "
                   f"{len(inputs.train):,} train sequences, {per_epoch} steps/epoch, {total} steps (warmup {warmup})"
                   + (f"; resumed at step {step}" if resume else ""))
 
@@ -226,10 +226,12 @@ def run_train(config) -> Path:
                 row = stats.summary(accelerator, lr=scheduler.get_last_lr()[0], epoch=position / max(1, epoch_batches))
                 metrics.log(step, row)
                 bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}")
+            t_aside = time.perf_counter()
             if (config.val_every and step % config.val_every == 0) or step == total:
                 last_val = validate(step)  # before the checkpoint, which records it
             if step % config.checkpoint_every == 0 or step == total:
                 save(step)
+            stats.exclude(time.perf_counter() - t_aside)
             if kill_after and step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         bar.close()
@@ -242,6 +244,12 @@ def run_train(config) -> Path:
         metrics.close()  # also on errors: the wandb run and metrics file are closed cleanly
     accelerator.wait_for_everyone()
     return out
+
+
+def _wrapper_name(accelerator) -> str:
+    """'single process', 'MULTI_CPU' (DDP over gloo), 'MULTI_GPU' (DDP over NCCL), 'FSDP'."""
+    name = str(accelerator.distributed_type).split(".")[-1]
+    return "single process" if name == "NO" else name
 
 
 def _find_resume_point(ckpt_root: Path, key: dict, main: bool):

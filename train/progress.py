@@ -38,6 +38,10 @@ class StepStats:
         self.w_tokens += int(batch["lengths"].sum())
         self.w_padded += int(batch["input_ids"].numel())
 
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training steps (validation, checkpoints) out of tokens/s."""
+        self.t0 += seconds
+
     def window_tokens(self) -> int:
         return self.w_tokens
 

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagle3.schema.common import PathsConf
+
+
+@dataclass
+class StageOverrides:
+    """Extra Hydra overrides the demo passes to each stage (its size preset)."""
+    mini_world: list[str] = field(default_factory=list)
+    prepare: list[str] = field(default_factory=list)
+    capture: list[str] = field(default_factory=list)
+    vocab: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    eval: list[str] = field(default_factory=list)
+    export: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DemoConfig:
+    paths: PathsConf
+    out_dir: str
+    train_steps: int
+    overrides: StageOverrides = field(default_factory=StageOverrides)
+    seed: int = 0

@@ -1,0 +1,21 @@
+"""`make demo`: every stage on the mini world, and the K2-vs-K2.5 drafter comparison table."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.schema.demo import DemoConfig  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="demo", version_base=None)
+def main(cfg) -> None:
+    from eval.demo import run_demo
+
+    run_demo(to_schema(cfg, DemoConfig))
+
+
+if __name__ == "__main__":
+    main()
