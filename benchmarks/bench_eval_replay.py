@@ -80,7 +80,8 @@ class FakeStore:
         ids = torch.randint(0, V, (T,), generator=g)
         mask = torch.ones(T, dtype=torch.bool)
         mask[: T // 8] = False
-        aux = torch.randn(T, 3 * H, generator=g).to(device=device, dtype=torch.bfloat16)
+        gd = torch.Generator(device=device).manual_seed(i)  # made where it is used: CPU-side randn would dominate
+        aux = torch.randn(T, 3 * H, generator=gd, device=device, dtype=torch.bfloat16)
         return {"id": f"s{i}", "input_ids": ids, "loss_mask": mask, "aux": aux, "last": None,
                 "target_argmax": torch.cat([ids[1:], ids[:1]])}
 

@@ -161,11 +161,21 @@ class _ShardBuffer:
         self.used, self.seqs = 0, []
 
 
-def _lock_dir(store_dir: Path):
-    """An exclusive advisory lock on `store_dir/.lock`: two writers on one store would interleave
-    shards. The kernel drops it when the process dies, so a killed capture never leaves it stale."""
+_HELD_LOCKS: dict[str, list] = {}  # store dir -> [lock file, owning writer's id] (this process)
+
+
+def _lock_dir(store_dir: Path, owner: int) -> None:
+    """An exclusive advisory lock on `store_dir/.lock` against a second *process* writing the same
+    store (they would interleave shards). The kernel drops it when the process dies, so a killed
+    capture never leaves it stale. Within one process a new writer takes over an abandoned one
+    (a rerun after a failed write)."""
     import fcntl
 
+    key = str(store_dir.resolve())
+    held = _HELD_LOCKS.get(key)
+    if held is not None and not held[0].closed:
+        held[1] = owner
+        return
     f = open(store_dir / ".lock", "a+")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -173,7 +183,17 @@ def _lock_dir(store_dir: Path):
         f.close()
         raise StoreError(f"{store_dir}: another process is writing this store (.lock is held); "
                          f"two captures into one out_dir would interleave shards") from None
-    return f
+    _HELD_LOCKS[key] = [f, owner]
+
+
+def _unlock_dir(store_dir: Path, owner: int) -> None:
+    """Release (and remove: a complete store needs no lock) if `owner` still holds it."""
+    key = str(store_dir.resolve())
+    held = _HELD_LOCKS.get(key)
+    if held is not None and held[1] == owner:
+        (store_dir / ".lock").unlink(missing_ok=True)
+        held[0].close()
+        del _HELD_LOCKS[key]
 
 
 def _read_store_manifest(store_dir: Path) -> dict:
@@ -207,7 +227,7 @@ class HiddenStateWriter:
             raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_dir(self.dir)  # held until finish() (or process exit, even on SIGKILL)
+        _lock_dir(self.dir, id(self))  # held until finish() (or process exit, even on SIGKILL)
         self.torch_dtype = DTYPES[dtype]
         self.aux_width = len(aux_layer_ids) * target_hidden_size
         self.hidden_size = hidden_size
@@ -359,10 +379,7 @@ class HiddenStateWriter:
         self.manifest.update(json.loads(json.dumps(extra)))
         self.manifest["complete"] = True
         _write_json(self.dir / MANIFEST, self.manifest)
-        if self._lock is not None:  # a complete store needs no lock: remove it, then release it
-            (self.dir / ".lock").unlink(missing_ok=True)
-            self._lock.close()
-            self._lock = None
+        _unlock_dir(self.dir, id(self))
         return self.manifest
 
 

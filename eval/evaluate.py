@@ -27,6 +27,7 @@ from eval.tree_batch import all_cycle_trees
 
 DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
 MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
+COVERAGE_WARN = 0.9   # share of the target's greedy tokens the draft vocab must hold before we warn
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,12 @@ def drafter_store_problems(model, store) -> list[str]:
     if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != list(store.aux_layer_ids):
         out.append(f"drafter eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)} != the store's "
                    f"aux_layer_ids {list(store.aux_layer_ids)}: SGLang would feed it other layers than it sees here")
-    meta = store.manifest.get("meta") or {}
-    vocab = meta.get("vocab_size") or meta.get("target_vocab_size")
-    if vocab is not None and int(vocab) != cfg.vocab_size:
-        out.append(f"drafter vocab_size {cfg.vocab_size} != the store target's vocab size {vocab}")
+    if len(store):
+        s = store[0]  # token ids beyond the drafter's vocab: the store comes from another tokenizer/target
+        top = max(int(s["input_ids"].max()), int(s["target_argmax"].max())) if s["input_ids"].numel() else -1
+        if top >= cfg.vocab_size:
+            out.append(f"store sequence {s['id']!r} holds token id {top} >= the drafter's vocab_size {cfg.vocab_size} "
+                       f"(store and drafter come from different targets / tokenizers)")
     return out
 
 
@@ -207,6 +210,7 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
         # one teacher-forced unroll per sequence serves the accuracy and every chain knob
         K = max([ttt_length if accuracy else 0] + [k.max_depth for k in knobs if k.topk == 1])
         acc = AccuracyCounter(ttt_length)
+        cover_hit = cover_n = 0
         sims = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)}
                 for k in knobs}
         for i in _progress(idx, "eval", len(idx), progress):
@@ -219,6 +223,9 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
                 if accuracy:
                     acc.add(hits, valid)
             _replay_one(model, s, knobs, sims, ngram, hits, "auto")
+            predicted = s["target_argmax"][:-1][s["loss_mask"][1:].bool()].long()   # greedy tokens of assistant positions
+            cover_hit += int(model.t2d.cpu()[predicted].sum())
+            cover_n += predicted.numel()
         if accuracy:
             report["accuracy"] = acc.to_dict()
     finally:
@@ -227,6 +234,12 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
                                           "num_draft_tokens": k.num_draft_tokens},
                                 **{name: st.to_dict() for name, st in sims[label].items()}}
                         for label, k in ((k.label, k) for k in knobs)}
+    report["vocab_coverage"] = cover_hit / cover_n if cover_n else float("nan")
+    if cover_n and report["vocab_coverage"] < COVERAGE_WARN:
+        report["warnings"].append(
+            f"the drafter's draft vocab holds only {100 * report['vocab_coverage']:.1f}% of the target's greedy tokens "
+            f"on this split: its vocab mapping (d2t/t2d) was not built for this target (rebuild it with `make vocab` "
+            f"and remap the lm_head, i.e. train with +init=...); tokens outside it can never be drafted")
     first = next(iter(sims.values()))["drafter"]
     rate = first.mismatches / first.assistant_positions if first.assistant_positions else 0.0
     report["mismatch_rate"] = rate

@@ -141,9 +141,12 @@ def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
     if not manifest_path.is_file():
         return []
     try:
-        inputs = json.loads(manifest_path.read_text()).get("inputs") or {}
+        manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError:
         return [f"{manifest_path}: unreadable train manifest"]
+    if manifest.get("stage") != "train":  # e.g. a drafter directory inside the mini world: no claim to check
+        return []
+    inputs = manifest.get("inputs") or {}
     from eagle3.manifest import fingerprint
 
     out = []

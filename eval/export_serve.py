@@ -26,6 +26,7 @@ class ServeChoice:
     predicted_tok_s: Optional[float] = None
     baseline_tok_s: Optional[float] = None
     break_even_accept_length: Optional[float] = None
+    verdict: str = ""                            # the eval stage's go / no-go sentence
     note: str = ""
 
     def as_dict(self) -> dict:
@@ -95,6 +96,7 @@ def _choice(best: Mapping[str, Any], source: str, report: Mapping[str, Any]) -> 
         predicted_tok_s=num("predicted_tok_s", "tok_s"),
         baseline_tok_s=num("baseline_tok_s") or _float_or_none(_first(report, "baseline_tok_s")),
         break_even_accept_length=num("break_even_accept_length", "break_even"),
+        verdict=str(best.get("verdict") or ""),
     )
 
 
@@ -192,6 +194,8 @@ def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: O
         lines.append(f"- predicted tok/s: {fmt(choice.predicted_tok_s, '.1f')} vs baseline {fmt(choice.baseline_tok_s, '.1f')}")
     if choice.break_even_accept_length is not None:
         lines.append(f"- break-even accept length on that server: {fmt(choice.break_even_accept_length)}")
+    if choice.verdict:
+        lines.append(f"- eval verdict: {choice.verdict}")
     if choice.note:
         lines.append(f"- note: {choice.note}")
     lines += ["", "## What the export checked", ""]

@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from eagle3.manifest import atomic_write_bytes  # noqa: E402
 
@@ -74,6 +75,7 @@ def plot_acceptance_by_position(accept: dict, path: Path) -> Optional[Path]:
             if rates:
                 ax.plot(range(1, len(rates) + 1), rates, style, label=f"{name} {label}")
     ax.set_xlabel("draft position (depth)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("P(accepted)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)

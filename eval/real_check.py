@@ -1,7 +1,7 @@
 """The real loop against the simulation and the cost model, on the same sequences.
 
-For each prompt: the target's plain greedy decode (reference + baseline timing), the real chain
-speculative decode per knob setting (must be token-identical: lossless), then the replay of
+For each prompt: the target's plain greedy decode (reference + baseline timing), the real
+speculative decode per knob setting (chain: eval/real_loop.py, tree: eval/real_tree.py) (must be token-identical: lossless), then the replay of
 eagle3/accept_sim.py over prompt + the target's greedy output (captured by one target forward),
 which must give the same accept length; and the cost model fed with the real loop's measured
 latencies, whose predicted tok/s is compared with the loop's measured tok/s.
@@ -17,6 +17,7 @@ from eagle3.cost_model import measured_latencies, predict
 from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
 from eval.drafter_session import SequenceDrafter
 from eval.real_loop import greedy_decode, speculative_decode
+from eval.real_tree import tree_speculative_decode
 
 
 @torch.no_grad()
@@ -43,13 +44,11 @@ def simulate_on_generation(target, drafter, prompt: torch.Tensor, generated: Seq
 
 def real_vs_simulated(target, drafter, prompts: Sequence[torch.Tensor], knobs: Sequence[SpecKnobs],
                       max_new_tokens: int, eos_token_id: Optional[int] = None) -> dict:
-    """Per chain knob: lossless flag, real and simulated accept length, measured latencies, and the
-    cost model's prediction from those latencies next to the measured speed. Tree knobs are skipped
-    (the real loop verifies chains only)."""
+    """Per knob setting: lossless flag, real and simulated accept length, measured latencies, and the
+    cost model's prediction from those latencies next to the measured speed."""
     drafter.eval()
-    chains = [k for k in knobs if k.topk == 1]
-    out: dict = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "knobs": {},
-                 "skipped_knobs": [k.label for k in knobs if k.topk != 1]}
+    chains = list(knobs)  # every knob: chains by eval/real_loop.py, trees by eval/real_tree.py
+    out: dict = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "knobs": {}, "skipped_knobs": []}
     base_ms: list[float] = []
     runs = {k.label: {"emitted": [], "sim": AcceptStats(k.max_depth), "lossless": True, "draft": [], "verify": [],
                       "extend": []} for k in chains}
@@ -58,8 +57,11 @@ def real_vs_simulated(target, drafter, prompts: Sequence[torch.Tensor], knobs: S
         base_ms.extend(base.token_ms)
         for k in chains:
             r = runs[k.label]
-            spec = speculative_decode(target, drafter, prompt, max_new_tokens, k.num_steps, k.num_draft_tokens,
-                                      eos_token_id)
+            if k.topk == 1:
+                spec = speculative_decode(target, drafter, prompt, max_new_tokens, k.num_steps, k.num_draft_tokens,
+                                          eos_token_id)
+            else:
+                spec = tree_speculative_decode(target, drafter, prompt, max_new_tokens, k, eos_token_id)
             r["lossless"] &= spec.tokens == base.tokens
             r["emitted"] += spec.emitted
             r["draft"] += spec.draft_ms

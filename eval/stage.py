@@ -66,6 +66,19 @@ def cost_section(report: dict, knobs: list[SpecKnobs], lat: Latencies) -> dict:
     return {"latencies": as_plain_dict(lat.__dict__), "by_knob": by_knob}
 
 
+def best_setting(report: dict, knobs: list[SpecKnobs]) -> Optional[dict]:
+    """The knob setting with the highest predicted speed-up for the drafter (what export's SERVE.md uses)."""
+    scored = [(k, report["cost"]["by_knob"][k.label]["drafter"]) for k in knobs
+              if "drafter" in report["cost"]["by_knob"].get(k.label, {})]
+    if not scored:
+        return None
+    k, pred = max(scored, key=lambda kp: kp[1]["speedup"])
+    return {"label": k.label, "num_steps": k.num_steps, "topk": k.topk, "num_draft_tokens": k.num_draft_tokens,
+            "accept_length": pred["accept_length"], "speedup": pred["speedup"], "predicted_tok_s": pred["spec_tok_s"],
+            "baseline_tok_s": pred["baseline_tok_s"], "break_even_accept_length": pred["break_even_accept_length"],
+            "wins": pred["wins"], "verdict": pred["verdict"]}
+
+
 def _prompts_from_store(store, n: int) -> list[torch.Tensor]:
     """The text before each validation sequence's first assistant token (what a user would send)."""
     out = []
@@ -146,6 +159,7 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
                                    ngram=NgramSettings(cfg.ngram.max_ngram, cfg.ngram.min_ngram, cfg.ngram.prefer),
                                    progress=cfg.progress))
     report["cost"] = cost_section(report, knobs, latencies_from_config(cfg.cost))
+    report["best"] = best_setting(report, knobs)
 
     if cfg.real_loop.enabled and cfg.real_loop.num_prompts > 0:
         prompts = _prompts_from_store(store, cfg.real_loop.num_prompts)

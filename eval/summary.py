@@ -26,7 +26,9 @@ def print_summary(report: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    import sys
+
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
     console.rule(f"eval {report.get('name', '')}: {report.get('drafter_dir', '')}")
     acc = report.get("accuracy")
     if acc:
@@ -60,6 +62,8 @@ def print_summary(report: dict, console=None) -> None:
                       _f(r["verify_ms"], 1), _f(r["draft_step_ms"], 2), _f(r["measured_spec_tok_s"], 1),
                       _f(r["measured_baseline_tok_s"], 1), _f(pred, 1))
         console.print(t)
+    if report.get("vocab_coverage") is not None:
+        console.print(f"Draft-vocab coverage of the target's greedy tokens: {100 * report['vocab_coverage']:.1f}%")
     cost = report.get("cost") or {}
     if cost:
         lat = cost.get("latencies", {})
@@ -67,5 +71,12 @@ def print_summary(report: dict, console=None) -> None:
                       f"verify {lat['verify_ms']:.1f} ms):")
         for line in verdict_lines(report):
             console.print("  " + line)
+    best = report.get("best")
+    if best:
+        console.print(f"[bold]Verdict:[/] best setting {best['label']} (steps/topk/draft tokens): "
+                      f"{'beats' if best['wins'] else 'does NOT beat'} no speculation "
+                      f"({best['predicted_tok_s']:.1f} vs {best['baseline_tok_s']:.1f} tok/s predicted, "
+                      f"{best['speedup']:.2f}x); to win it needs accept length > {best['break_even_accept_length']:.2f}, "
+                      f"it has {best['accept_length']:.2f}")
     for w in report.get("warnings") or []:
         console.print(f"[bold yellow]warning:[/] {w}")

@@ -325,3 +325,32 @@ def test_killed_capture_resumes_to_an_identical_store(tmp_path, targets, prepare
     assert len(a) > 3 and sorted(a) == sorted(b) and a == b
     resumed = json.loads((tmp_path / "crash" / "manifest.json").read_text())["splits"]["train"]["this_run"]
     assert resumed["batches_run"] < resumed["batches"]  # it really resumed, not redid everything
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_read_like_one(tmp_path, targets, prepared):
+    """A real 2-process launch (torchrun, gloo on CPU; `accelerate launch --multi_gpu` on GPUs sets
+    the same environment): each process writes its part, rank 0 merges, and the merged store reads
+    exactly like a one-process capture."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle3 import REPO_ROOT
+
+    common = [f"paths.root={tmp_path}", f"target.path={targets['k25']}", f"target.tokenizer={targets['k25']}",
+              f"in_dir={prepared}", "max_tokens_per_batch=96", "shard_tokens=200", "progress=false",
+              "splits=[validation]"]
+    run_capture(to_schema(compose("capture", [*common, f"out_dir={tmp_path / 'one'}"]), CaptureConfig), Dist())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+                str(REPO_ROOT / "data" / "run_capture.py"), *common, f"out_dir={tmp_path / 'two'}"]
+    res = subprocess.run(torchrun, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["world_size"] == 2
+    assert (tmp_path / "two" / "validation" / "part-1" / "manifest.json").is_file()
+    a, b = HiddenStateStore(tmp_path / "one" / "validation"), HiddenStateStore(tmp_path / "two" / "validation")
+    assert a.ids == b.ids and len(a) > 1
+    for i in range(len(a)):
+        for key in ("input_ids", "loss_mask", "aux", "last", "target_argmax"):
+            assert torch.equal(a[i][key], b[i][key]), (i, key)

@@ -59,6 +59,7 @@ def test_run_eval_writes_report_plots_manifest_and_reuses(world, tiny_k25_target
     real = report["real_loop"]["knobs"]["2/1/3"]
     assert real["lossless"] and abs(real["real_accept_length"] - real["sim_accept_length"]) <= 0.05
     assert report["real_loop"]["skipped_knobs"] == ["2/2/4"]
+    assert report["best"]["label"] in ("2/1/3", "2/2/4") and report["best"]["wins"] is False
     verdict = report["cost"]["by_knob"]["2/1/3"]["drafter"]
     assert verdict["baseline_tok_s"] == pytest.approx(82.0) and verdict["break_even_accept_length"] > 2.4
     for name in ("accuracy_per_step.png", "accept_histogram.png", "acceptance_by_position.png"):
@@ -66,7 +67,7 @@ def test_run_eval_writes_report_plots_manifest_and_reuses(world, tiny_k25_target
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stage"] == "eval" and manifest["eval_inputs"]["drafter_sha256"]
     printed = capsys.readouterr().out
-    assert "Simulated accept length" in printed and "break-even" in printed
+    assert "Simulated accept length" in printed and "break-even" in printed and "does NOT beat" in printed
     before = (out / "report.json").stat().st_mtime_ns
     run_eval(eval_config(root, tiny_k25_target, drafter_dir))
     assert "reusing" in capsys.readouterr().out and (out / "report.json").stat().st_mtime_ns == before

@@ -46,6 +46,20 @@ def test_shell_rendering_is_copy_pasteable():
     assert shlex.split(text.replace("\\\n", " ")) == cmd
 
 
+def test_choice_from_the_eval_stage_best_setting():
+    """The shape eval/stage.py writes (`best_setting`)."""
+    report = {"best": {"label": "3/1/4", "num_steps": 3, "topk": 1, "num_draft_tokens": 4, "accept_length": 2.9,
+                       "speedup": 1.31, "predicted_tok_s": 107.4, "baseline_tok_s": 82.0,
+                       "break_even_accept_length": 2.2, "wins": True, "verdict": "predicted to beat no speculation"}}
+    c = choice_from_report(report, "eval/report.json")
+    assert (c.num_steps, c.topk, c.num_draft_tokens) == (3, 1, 4)
+    assert (c.accept_length, c.speedup, c.predicted_tok_s, c.baseline_tok_s, c.break_even_accept_length) == (
+        2.9, 1.31, 107.4, 82.0, 2.2)
+    md = serve_markdown(name="x", target=K25, choice=c, sglang_cmd=["python"], vllm_cmd=None, facts={})
+    assert "107.4 vs baseline 82.0" in md and "break-even accept length on that server: 2.20" in md
+    assert "eval verdict: predicted to beat no speculation" in md
+
+
 def test_choice_from_explicit_best():
     c = choice_from_report({"best": {"knobs": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4},
                                      "accept_length": 2.5, "speedup": 0.9}, "baseline_tok_s": 82}, "r.json")

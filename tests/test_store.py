@@ -85,7 +85,6 @@ def test_resume_after_kill_is_byte_identical(tmp_path, background):
     for i in range(5):
         w.add(**make_seq(i, LENGTHS[i]))
     w._wait()
-    w._lock.close()  # what the kernel does for a killed process
     del w
     (crash_dir / ".shard-00002.safetensors.abc.tmp").write_bytes(b"partial")
     (crash_dir / "shard-00002.safetensors").write_bytes(b"renamed but not listed")
@@ -97,7 +96,6 @@ def test_resume_after_kill_is_byte_identical(tmp_path, background):
     assert w2.done_ids == {"s0", "s1", "s2", "s3"}
     assert not (crash_dir / "shard-00002.safetensors").exists()
     assert not list(crash_dir.glob(".*.tmp"))
-    w2._lock.close()
     write_all(crash_dir)
     assert shard_bytes(crash_dir) == shard_bytes(ref_dir)
     assert (crash_dir / "manifest.json").read_bytes() == (ref_dir / "manifest.json").read_bytes()
@@ -212,11 +210,15 @@ def test_shards_are_standard_safetensors(tmp_path):
     assert torch.equal(t["input_ids"][5:8].long(), make_seq(1, 3)["input_ids"])
 
 
-def test_two_writers_on_one_store_are_refused(tmp_path):
+def test_a_store_locked_by_another_process_is_refused(tmp_path):
+    import fcntl
+
+    with open(tmp_path / ".lock", "a+") as other:  # flock is per open file: this stands in for another process
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(StoreError, match="another process is writing"):
+            writer(tmp_path)
     w = writer(tmp_path)
-    with pytest.raises(StoreError, match="another process is writing"):
-        writer(tmp_path)
     w.add(**make_seq(0, 3))
     w.finish()
-    assert not (tmp_path / ".lock").exists()
-    writer(tmp_path).finish()  # the lock is gone with the first writer
+    assert not (tmp_path / ".lock").exists()  # a complete store carries no lock file
+    writer(tmp_path).finish()

@@ -27,7 +27,7 @@ from eagle3.schema.mini_world import MiniWorldConfig
 
 from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
-from data.mini_world.lm import encode_conversations, pack_blocks, perplexity, train_lm, unigram_perplexity
+from data.mini_world.lm import encode_until, pack_blocks, perplexity, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, split_conversations
 from data.mini_world.tokenizer import IM_END, special_token_ids
 
@@ -214,9 +214,15 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
 
     tok = _tokenizer_stage(cfg, out, stages, parts)
     t = time.perf_counter()
-    enc = {k: {r: encode_conversations(tok, parts[(k, r)], max_tokens=cfg.max_tokens_per_conversation,
-                                        max_chars=8 * cfg.max_tokens_per_conversation)
-               for r in ("train", "eval")} for k in (PROSE, CODE)}
+    enc = {}
+    for kind, train_cfg in ((PROSE, cfg.k2_train), (CODE, cfg.k25_train)):
+        # a seeded shuffle of the training part, then just enough of it for the steps asked
+        convs = parts[(kind, "train")]
+        order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        need = (train_cfg.steps * train_cfg.batch_size + 1) * train_cfg.seq_len
+        common = dict(max_tokens=cfg.max_tokens_per_conversation, max_chars=8 * cfg.max_tokens_per_conversation)
+        enc[kind] = {"train": encode_until(tok, [convs[i] for i in order], need, **common),
+                     "eval": encode_until(tok, parts[(kind, "eval")], cfg.max_eval_tokens + 1, **common)}
     stages.times["encode"] = time.perf_counter() - t
 
     k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)

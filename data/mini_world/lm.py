@@ -20,6 +20,21 @@ def encode_conversations(tokenizer, convs: Sequence[Conversation], *, max_tokens
     return [ids[:max_tokens] for ids in enc]
 
 
+def encode_until(tokenizer, convs: Sequence[Conversation], need_tokens: int, *, max_tokens: int,
+                 max_chars: int, chunk: int = 256) -> list[list[int]]:
+    """`encode_conversations` over `convs` in order, stopping once `need_tokens` tokens are
+    encoded (training uses a fraction of a pass, so encoding everything would be wasted)."""
+    out: list[list[int]] = []
+    total = 0
+    for i in range(0, len(convs), chunk):
+        seqs = encode_conversations(tokenizer, convs[i: i + chunk], max_tokens=max_tokens, max_chars=max_chars)
+        out.extend(seqs)
+        total += sum(len(s) for s in seqs)
+        if total >= need_tokens:
+            break
+    return out
+
+
 def pack_blocks(seqs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
     """Concatenate sequences and cut into [N, seq_len] blocks (the ragged tail is dropped).
     Blocks may span conversations; every conversation starts with its own system header."""

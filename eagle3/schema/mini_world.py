@@ -33,7 +33,7 @@ class MiniSplitConf:
 class MiniTokenizerConf:
     vocab_size: int = 8192  # total ids, the 11 specials at the top
     max_chars: int = 6_000_000  # training text cap (characters, over both training parts)
-    max_chars_per_conversation: int = 6000  # tokenizer training text per conversation
+    max_chars_per_conversation: int = 2000  # tokenizer training text per conversation
     min_frequency: int = 2
 
     def validate(self) -> None:
