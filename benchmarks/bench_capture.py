@@ -15,6 +15,8 @@ target is about (layers here / 61) of the one measured here.
 
   GPU:  python3 benchmarks/bench_capture.py --layers 4 --experts 16 --batches 16
   CPU:  python benchmarks/bench_capture.py --tiny          (a smoke run of the same code)
+  a real checkpoint instead (weights loaded with eagle3.target_io.load_target):
+        python benchmarks/bench_capture.py --target runs/mini_world/k25-mini --layout kimi_k25 --seq-len 512
 """
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ def main() -> None:
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--store-dir", default=None, help="where the store goes (default: a temp dir, deleted)")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
+    ap.add_argument("--target", default=None, help="a target checkpoint dir to load instead of random weights")
+    ap.add_argument("--layout", default="causal_lm", choices=list(target_io.LAYOUTS))
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if args.tiny:
@@ -88,10 +92,16 @@ def main() -> None:
 
     from transformers import DeepseekV3ForCausalLM
 
-    cfg = k25_shaped_config(args)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM._from_config(cfg, dtype=dtype).eval()
+    if args.target:
+        model, text = target_io.load_target(args.target, args.layout, str(dtype).replace("torch.", ""))
+        model.to(device)
+        cfg = SimpleNamespace(**{k: text.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size",
+                                                          "n_routed_experts")})
+    else:
+        cfg = k25_shaped_config(args)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = DeepseekV3ForCausalLM._from_config(cfg, dtype=dtype).eval()
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     aux_ids, _, _ = target_io.resolve_aux_layer_ids(None, args.aux_layer_ids, L)
     store_dtype = getattr(torch, args.store_dtype)
@@ -144,6 +154,7 @@ def main() -> None:
     bare_s = min(results["bare"]["seconds"], results["bare_again"]["seconds"])
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "target": args.target or "random DeepSeek-V3 (K2.5 shapes)",
         "model": {"hidden": H, "layers": L, "routed_experts": cfg.n_routed_experts, "vocab": V,
                   "dtype": str(dtype).replace("torch.", "")},
         "aux_layer_ids": aux_ids, "tokens": tokens, "tokens_per_batch": per_batch * args.seq_len,

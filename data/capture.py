@@ -20,6 +20,7 @@ test can kill a real capture process in the middle of its work.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -220,6 +221,24 @@ def open_writer(store_dir: Path, cfg, header: dict, meta: dict) -> HiddenStateWr
                                  background=True)
 
 
+def check_split_dir(split_dir: Path, cfg, dist: Dist) -> None:
+    """A multi-process run over a store written with another number of processes (its shards sit
+    elsewhere: in split_dir itself or in other part dirs) refuses, or with overwrite=true starts over.
+    Every process reads the same manifest, so all take the same branch."""
+    if dist.world == 1:
+        return  # a one-process writer on split_dir compares the meta (world_size) itself
+    path = split_dir / "manifest.json"
+    old = json.loads(path.read_text()).get("meta", {}).get("world_size") if path.is_file() else dist.world
+    dist.barrier()
+    if old != dist.world:
+        if not cfg.overwrite:
+            raise CaptureError(f"{split_dir}: captured with {old} process(es), this run has {dist.world}; refusing "
+                               f"to mix (set overwrite=true to start over, or use the same number of processes)")
+        if dist.is_main:
+            shutil.rmtree(split_dir)
+    dist.barrier()
+
+
 def summarize(manifest: dict, plan_counts: dict) -> dict:
     skipped = manifest["skipped"]
     reasons: dict[str, int] = {}
@@ -302,6 +321,9 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         check_dataset(ds, split, V)
         splits[split] = ds
 
+    dist.barrier()  # every process has read the old stage manifest; it no longer describes what is on disk
+    if dist.is_main:
+        (out / "manifest.json").unlink(missing_ok=True)
     model, _ = target_io.load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype,
                                      cfg.target.device_map, cfg.target.trust_remote_code)
     if cfg.target.device_map is None:
@@ -312,6 +334,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
         split_dir = out / split
         store_dir = split_dir if dist.world == 1 else split_dir / f"part-{dist.rank}"
+        check_split_dir(split_dir, cfg, dist)
         writer = open_writer(store_dir, cfg, header, store_meta(cfg, fingerprints, max_len, dist, split))
         if dist.is_main:
             for sid in plan_counts["skipped_overlong"]:

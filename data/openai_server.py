@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ACTIONS = ("ok", "500", "502", "503", "429", "reset", "hang", "malformed", "truncated", "empty", "slow")
 
-# generate(messages, max_tokens, temperature, top_p, seed) -> (text, finish_reason)
+# generate(messages, max_tokens, temperature, top_p, seed) -> (text, finish_reason[, reasoning])
 GenerateFn = Callable[[list, int, float, float, Optional[int]], tuple]
 
 
@@ -122,10 +122,13 @@ class ChatServer:
         top_p = float(body.get("top_p", 1.0))
         seed = body.get("seed")
         with self._gen_lock:
-            text, finish = self.generate(messages, max_tokens, temperature, top_p, seed)
+            text, finish, *reasoning = self.generate(messages, max_tokens, temperature, top_p, seed)
+        message = {"role": "assistant", "content": text}
+        if reasoning and reasoning[0]:
+            message["reasoning_content"] = reasoning[0]
         return {"id": f"chatcmpl-{self._count}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", self.model_name),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}]}
 
 
 class _BadRequest(ValueError):
@@ -237,9 +240,9 @@ def hf_generate_fn(target_path: str, tokenizer_path: str, layout: str, dtype: st
     gen = HFGenerator(model, tok, max_positions=text_config.get("max_position_embeddings"))
 
     def generate(messages, max_tokens, temperature, top_p, seed):
-        (text, finish), = gen.generate([messages], max_new_tokens=max_tokens, temperature=temperature,
-                                       top_p=top_p, seed=seed if seed is not None else 0)
-        return text, finish
+        (text, finish, reasoning), = gen.generate([messages], max_new_tokens=max_tokens, temperature=temperature,
+                                                  top_p=top_p, seed=seed if seed is not None else 0)
+        return text, finish, reasoning
 
     return generate
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -283,8 +284,6 @@ class ReadInfo:
 def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Optional[int] = None):
     """Yield validated Conversations from a JSON / JSONL file or HF dataset dir, counting
     every dropped record in `skips` and the totals in `info`."""
-    from pathlib import Path
-
     from data.corpus import ReadStats, iter_raw_records
 
     info.stats, seen = ReadStats(), set()
@@ -323,8 +322,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def input_fingerprint(path) -> str:
     """sha256 over a file, or over every file (relative name + content) of a directory."""
-    from pathlib import Path
-
     from eagle3.manifest import sha256_file
 
     path = Path(path)
@@ -363,7 +360,9 @@ class SplitWriter:
 
         self.writer.finalize()
         ds = datasets.Dataset.from_file(self.path)
-        ds.save_to_disk(str(out_dir))
+        # datasets writes an empty dataset as zero shards, which load_from_disk cannot open
+        # (IndexError): one explicit shard keeps an empty split loadable.
+        ds.save_to_disk(str(out_dir), num_shards=1 if self.rows == 0 else None)
         del ds
         return {"conversations": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
                 "truncated": self.truncated}
@@ -405,12 +404,10 @@ def _reusable(out, config_dict: dict, fingerprints: dict) -> bool:
             and (out / "train").is_dir() and (out / "validation").is_dir())
 
 
-def run_prepare(cfg) -> "Path":
+def run_prepare(cfg) -> Path:
     """The prepare stage (`cfg`: eagle3.schema.prepare.PrepareConfig). Returns the stage dir."""
     import os
     import shutil
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from eagle3.conf import as_plain_dict

@@ -104,7 +104,9 @@ def settings_of(cfg) -> dict:
     r = cfg.regenerate
     s = {"backend": r.backend, "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
          "seed": r.seed}
-    s["model"] = r.openai.model + "@" + r.openai.base_url if r.backend == "openai" else cfg.target.path
+    # openai: the served model's name and the target, not the URL (a restarted server on another
+    # port resumes the same store); hf: the target checkpoint itself.
+    s["model"] = f"{r.openai.model} ({cfg.target.name})" if r.backend == "openai" else cfg.target.path
     return s
 
 
@@ -119,8 +121,17 @@ def store_path(cfg, settings: dict) -> Path:
 # Turn-by-turn regeneration of one conversation (any backend)
 # ----------------------------------------------------------------------------------------------
 
-# generate(list of message lists) -> list of (text, finish_reason); one entry per prompt.
-BatchGenerate = Callable[[list[list[dict]]], list[tuple[str, str]]]
+# generate(list of message lists) -> one (text, finish_reason[, reasoning]) per prompt.
+BatchGenerate = Callable[[list[list[dict]]], list[tuple]]
+
+
+def assistant_message(text: str, reasoning: Optional[str] = None) -> dict:
+    """A thinking model's reasoning goes to `reasoning_content` (the field Kimi's template and
+    SGLang's reasoning parser use), so the chat template decides how it is rendered."""
+    msg = {"role": "assistant", "content": text}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    return msg
 
 
 def regenerate_batch(convs: list[Conversation], generate: BatchGenerate) -> list[tuple[list[dict], list[str]]]:
@@ -142,8 +153,8 @@ def regenerate_batch(convs: list[Conversation], generate: BatchGenerate) -> list
         if not batch:
             return list(zip(new, reasons))
         outs = generate([list(new[c]) for c in batch])  # copies: the lists grow after this
-        for c, (text, reason) in zip(batch, outs):
-            new[c].append({"role": "assistant", "content": text})
+        for c, (text, reason, *reasoning) in zip(batch, outs):
+            new[c].append(assistant_message(text, *reasoning))
             reasons[c].append(reason)
             pos[c] += 1
 
@@ -206,6 +217,7 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
             pool.shutdown(wait=False, cancel_futures=True)
             client.close()
         stats["retries"] = client.retries
+        stats["retries_by_kind"] = dict(sorted(client.retries_by_kind.items()))
     bar.close()
 
     out = []
@@ -238,7 +250,9 @@ class HFGenerator:
         self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
         self.max_positions = max_positions
         stop = {tokenizer.eos_token_id}
-        end_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+        vocab = tokenizer.get_vocab()
+        end_turn = vocab.get("<|im_end|>")
+        self.end_think = vocab.get("</think>")  # thinking models: reasoning ends here
         stop.add(end_turn)
         self.stop_ids = sorted(i for i in stop if i is not None)
         if not self.stop_ids:
@@ -259,8 +273,8 @@ class HFGenerator:
 
     def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
-                 seed: Optional[int] = None) -> list[tuple[str, str]]:
-        """(text, finish_reason "stop" | "length") per message list."""
+                 seed: Optional[int] = None) -> list[tuple[str, str, Optional[str]]]:
+        """(text, finish_reason "stop" | "length", reasoning or None) per message list."""
         torch = self._torch
         max_new = max_new_tokens or self.max_new_tokens
         temp = self.temperature if temperature is None else temperature
@@ -286,8 +300,19 @@ class HFGenerator:
             stop_at = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
             reason = "length" if stop_at is None else "stop"
             row = row if stop_at is None else row[:stop_at]
-            results.append((self.tok.decode(row, skip_special_tokens=True), reason))
+            reasoning, answer = split_reasoning(row, self.end_think)
+            decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+            results.append((decode(answer), reason, decode(reasoning) if reasoning is not None else None))
         return results
+
+
+def split_reasoning(ids: list[int], end_think: Optional[int]) -> tuple[Optional[list[int]], list[int]]:
+    """(reasoning ids or None, answer ids): a generation that closes a thinking block (the
+    prompt of a thinking template ends with `<think>`) is split at its last `</think>`."""
+    if end_think is None or end_think not in ids:
+        return None, ids
+    j = len(ids) - 1 - ids[::-1].index(end_think)
+    return ids[:j], ids[j + 1:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +326,8 @@ class ChatClient:
     """`/v1/chat/completions` over httpx (thread-safe; one instance serves all worker threads).
     Retries 5xx / 429 / timeouts / connection errors / malformed replies with exponential
     backoff (base * 2^attempt, capped, x[0.5, 1) jitter; a 429's Retry-After is honoured up to
-    the cap); other 4xx fail the conversation at once (retrying cannot help)."""
+    the cap); other 4xx fail the conversation at once (retrying cannot help). Retries are
+    counted in total and by kind (`retries_by_kind`)."""
 
     def __init__(self, base_url: str, model: str, *, api_key: Optional[str] = None, timeout_s: float = 300.0,
                  max_retries: int = 5, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
@@ -320,6 +346,7 @@ class ChatClient:
         self.http = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers)
         self.sleep = sleep
         self.retries = 0
+        self.retries_by_kind: dict[str, int] = {}  # timeout | connection | malformed | 5xx | 429 | 408 ...
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
 
@@ -338,15 +365,16 @@ class ChatClient:
                 return
             except self._httpx.TransportError as e:
                 last = e
-                self._backoff(attempt, None)
+                self._backoff(attempt, None, "connection")
         raise RegenerateError(f"cannot reach the OpenAI-compatible server at {self.base_url} ({last!r}); "
                               "start it (e.g. SGLang, or python data/openai_server.py) or fix regenerate.openai.base_url")
 
-    def _backoff(self, attempt: int, retry_after: Optional[str]) -> None:
+    def _backoff(self, attempt: int, retry_after: Optional[str], kind: str) -> None:
         if attempt >= self.max_retries:
             return
         with self._lock:
             self.retries += 1
+            self.retries_by_kind[kind] = self.retries_by_kind.get(kind, 0) + 1
             jitter = 0.5 + 0.5 * self._rng.random()
         wait = min(self.backoff_max_s, self.backoff_s * 2 ** attempt) * jitter
         if retry_after:
@@ -356,8 +384,9 @@ class ChatClient:
                 pass
         self.sleep(wait)
 
-    def complete(self, messages: list[dict]) -> tuple[str, str]:
-        """(assistant text, finish_reason) for one prompt; GenerationFailed after the retries."""
+    def complete(self, messages: list[dict]) -> tuple[str, str, Optional[str]]:
+        """(assistant text, finish_reason, reasoning or None) for one prompt; GenerationFailed
+        after the retries."""
         httpx = self._httpx
         body = {"model": self.model, "messages": messages, "stream": False, **self.params}
         last = "no attempt made"
@@ -366,21 +395,22 @@ class ChatClient:
             try:
                 resp = self.http.post(self.url, json=body)
             except httpx.TimeoutException as e:
-                last = f"timeout ({type(e).__name__})"
-            except httpx.TransportError as e:
-                last = f"connection error ({type(e).__name__}: {e})"
+                kind, last = "timeout", f"timeout ({type(e).__name__})"
+            except httpx.TransportError as e:  # refused, reset, a reply cut short
+                kind, last = "connection", f"connection error ({type(e).__name__}: {e})"
             else:
                 if resp.status_code == 200:
                     try:
                         return _parse_completion(resp)
                     except (ValueError, KeyError, IndexError, TypeError) as e:
-                        last = f"malformed reply ({e})"
+                        kind, last = "malformed", f"malformed reply ({e})"
                 elif resp.status_code >= 500 or resp.status_code in RETRYABLE_STATUS:
+                    kind = "5xx" if resp.status_code >= 500 else str(resp.status_code)
                     last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                     retry_after = resp.headers.get("retry-after")
                 else:
                     raise GenerationFailed(f"HTTP {resp.status_code} from {self.url}: {resp.text[:300]}")
-            self._backoff(attempt, retry_after)
+            self._backoff(attempt, retry_after, kind)
         raise GenerationFailed(f"gave up after {self.max_retries + 1} attempts; last: {last}")
 
     def close(self) -> None:
@@ -393,4 +423,5 @@ def _parse_completion(resp) -> tuple[str, str]:
     text = choice["message"]["content"]
     if not isinstance(text, str):
         raise TypeError(f"message.content is {type(text).__name__}, not a string")
-    return text, str(choice.get("finish_reason") or "stop")
+    reasoning = choice["message"].get("reasoning_content")  # SGLang / vLLM with a reasoning parser
+    return text, str(choice.get("finish_reason") or "stop"), reasoning if isinstance(reasoning, str) else None

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 
 from data.corpus import CorpusFormatError  # noqa: E402
-from data.mini_world.build import run_mini_world  # noqa: E402
+from data.mini_world.build import MiniWorldError, run_mini_world  # noqa: E402
 from eagle3.conf import ConfigError, to_schema  # noqa: E402
 from eagle3.schema.mini_world import MiniWorldConfig  # noqa: E402
 
@@ -21,7 +21,7 @@ from eagle3.schema.mini_world import MiniWorldConfig  # noqa: E402
 def main(cfg) -> None:
     try:
         run_mini_world(to_schema(cfg, MiniWorldConfig))
-    except (ConfigError, CorpusFormatError) as e:
+    except (ConfigError, CorpusFormatError, MiniWorldError) as e:
         sys.exit(f"mini world failed: {e}")
 
 

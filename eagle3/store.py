@@ -6,8 +6,8 @@ Layout of a store directory:
                               input_ids int32 [N], loss_mask uint8 [N], target_argmax int32 [N],
                               offsets int64 [S+1] (sequence s is rows offsets[s]:offsets[s+1])
 
-Crash safety: a shard is serialised in memory, written to a hidden temp name, fsynced and renamed;
-only then is the manifest (atomic) rewritten to list it. So a killed capture leaves at most one
+Crash safety: a shard is written (straight from its host buffer) to a hidden temp name, fsynced and
+renamed; only then is the manifest (atomic) rewritten to list it. So a killed capture leaves at most one
 stray file that is not in the manifest; the writer deletes it on restart and redoes that shard.
 A reader only ever opens shards the manifest lists and checks their size (and sha256 on request).
 
@@ -244,7 +244,7 @@ class HiddenStateWriter:
                                          f"refusing to mix ({'; '.join(diff)}). Use a fresh out_dir or delete it.")
             self.manifest = old
         self._discard_unlisted_files()
-        self._pending: list[str] = []       # ids of the sequences buffered for the next shard
+        self._pending: dict[str, None] = {}  # ids of the sequences buffered for the next shard (ordered)
         self._pending_skips: list[dict] = []
         self._pending_tokens = 0
         self.done_ids: set[str] = {i for s in self.manifest["shards"] for i in s["ids"]}
@@ -302,7 +302,7 @@ class HiddenStateWriter:
         self._buf.put({"aux": aux, "last": last, "input_ids": input_ids.detach().to("cpu", torch.int32),
                        "loss_mask": mask, "target_argmax": target_argmax.detach().to("cpu", torch.int32)}, self._streams)
         self._buf.seqs.append((seq_id, order, T, int(mask.sum())))
-        self._pending.append(seq_id)
+        self._pending[seq_id] = None
         self._next_order = max(self._next_order, order) + 1
         self._pending_tokens += T
 
@@ -330,7 +330,7 @@ class HiddenStateWriter:
         job = (self._buf if self._pending else None, self._pending_skips)
         self.done_ids.update(self._pending)
         self.done_ids.update(s["id"] for s in self._pending_skips)
-        self._pending, self._pending_skips, self._pending_tokens = [], [], 0
+        self._pending, self._pending_skips, self._pending_tokens = {}, [], 0
         if job[0] is not None:
             self._last_written, self._buf = job[0], None
         if self._worker is None:

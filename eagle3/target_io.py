@@ -241,7 +241,8 @@ def input_device(model: torch.nn.Module) -> torch.device:
 def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_map: str | dict | None = None,
                 trust_remote_code: bool = False):
     """(model in eval mode, text_config dict). kimi_k25: HF-native Kimi_K25ForConditionalGeneration
-    (or the checkpoint's own remote code when trust_remote_code and the config has an auto_map)."""
+    (the checkpoint's own remote code only where transformers lacks it). With device_map (e.g.
+    "auto" over 8 GPUs) the model spans devices: feed inputs to `input_device(model)`."""
     import transformers
 
     _check_layout(layout)
@@ -251,9 +252,12 @@ def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_m
     if device_map is not None:
         kwargs["device_map"] = device_map
     full = read_full_config(path)
-    if layout == "kimi_k25" and not (trust_remote_code and "auto_map" in full):
-        cls = transformers.Kimi_K25ForConditionalGeneration
+    if layout == "kimi_k25" and hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
+        cls = transformers.Kimi_K25ForConditionalGeneration  # native class (tested); remote code only as fallback
     elif layout == "kimi_k25":
+        if not (trust_remote_code and "auto_map" in full):
+            raise TargetError(f"transformers {transformers.__version__} has no Kimi_K25 class and {path} offers no "
+                              f"remote code (auto_map) or trust_remote_code is off")
         auto_map = full["auto_map"]
         cls = transformers.AutoModelForCausalLM if "AutoModelForCausalLM" in auto_map else transformers.AutoModel
     else:

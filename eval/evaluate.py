@@ -19,6 +19,7 @@ import torch
 
 from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
                                replay_sequence)
+from eagle3.cost_model import accept_length_from_acceptance
 from eagle3.loss import loss_positions, shift_left
 from eagle3.ngram import PromptLookup
 from eagle3.ttt import TTTCache, ttt_position_ids
@@ -183,11 +184,14 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)} for k in knobs}
+    K = max([k.max_depth for k in knobs if k.topk == 1], default=0) if method == "auto" and model is not None else 0
     idx = _sequences(store, max_sequences)
     for i in _progress(idx, "accept-length replay", len(idx), progress):
         s = store[i]
         if s["input_ids"].numel() >= 2:
-            _replay_one(model, s, knobs, out, ngram, None, method)
+            hits = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)[0] \
+                if K else None  # one unroll serves every chain knob
+            _replay_one(model, s, knobs, out, ngram, hits, method)
     return out
 
 
@@ -228,6 +232,12 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
             cover_n += predicted.numel()
         if accuracy:
             report["accuracy"] = acc.to_dict()
+            # SpecForge-style estimate from the conditional accuracy: valid even when the store is not the
+            # target's greedy output (no replay possible), but blind to the cycle structure
+            cond = report["accuracy"]["conditional_accuracy"]
+            report["accuracy"]["chain_estimate"] = {
+                k.label: accept_length_from_acceptance(cond[: k.max_depth]) for k in knobs
+                if k.topk == 1 and k.max_depth <= len(cond)}
     finally:
         model.train(was_training)
     report["accept"] = {label: {"knobs": {"num_steps": k.num_steps, "topk": k.topk,

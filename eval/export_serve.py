@@ -181,6 +181,9 @@ def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: O
         lines += ["## SGLang", "", "```bash", shell(sglang_cmd), "```", ""]
     if vllm_cmd:
         lines += ["## vLLM (speculators format)", "", "```bash", shell(vllm_cmd), "```", ""]
+        if choice.topk > 1:
+            lines += [f"vLLM drafts a chain of num_speculative_tokens = num_steps = {choice.num_steps}; the tree "
+                      f"setting (topk {choice.topk}) and its accept length below apply to SGLang only.", ""]
     lines += ["## Why these knobs", "",
               f"- num_steps / topk / num_draft_tokens: **{choice.num_steps} / {choice.topk} / "
               f"{choice.num_draft_tokens}** (from {choice.source})",

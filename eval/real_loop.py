@@ -1,5 +1,6 @@
 """A real speculative-decoding loop: the target (transformers) verifies the drafter's chain with real
-forward passes. Greedy, batch 1, KV caches for both models; chain drafts (topk = 1) only.
+forward passes. Greedy, batch 1, KV caches for both models; chain drafts (topk = 1) here, trees
+(topk > 1) in eval/real_tree.py.
 
 One cycle, with x_q the last verified token (the target's cache holds positions 0..q-1, the
 drafter's cache the extend pairs (aux_t, x_{t+1}) for t = 0..q-1 and its output at q-1):

@@ -14,7 +14,6 @@ pairs of 0..q-1 and its output at q-1):
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 

@@ -14,7 +14,8 @@ def verdict_lines(report: dict) -> list[str]:
     for label, entry in (report.get("cost") or {}).get("by_knob", {}).items():
         d = entry.get("drafter")
         if d:
-            lines.append(f"[{label}] drafter: {d['verdict']}")
+            note = "" if d.get("accept_length_source", "replay") == "replay" else f" [from the {d['accept_length_source']}]"
+            lines.append(f"[{label}] drafter: {d['verdict']}{note}")
         n = entry.get("ngram")
         if n:
             lines.append(f"[{label}] n-gram: {'FASTER' if n['wins'] else 'SLOWER'} ({n['spec_tok_s']:.1f} tok/s, "
@@ -28,6 +29,8 @@ def print_summary(report: dict, console=None) -> None:
 
     import sys
 
+    from rich.markup import escape
+
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     console.rule(f"eval {report.get('name', '')}: {report.get('drafter_dir', '')}")
     acc = report.get("accuracy")
@@ -40,6 +43,9 @@ def print_summary(report: dict, console=None) -> None:
         t.add_row("conditional", *[_f(a, 3) for a in acc["conditional_accuracy"]])
         t.add_row("positions", *[str(n) for n in acc["positions"]])
         console.print(t)
+        if acc.get("chain_estimate"):
+            console.print("Teacher-forced chain estimate 1 + sum_k prod_j<=k cond_acc_j: " + ", ".join(
+                f"{label} {tau:.2f}" for label, tau in acc["chain_estimate"].items()))
     t = Table(title="Simulated accept length (SGLang convention: tokens per verify cycle, bonus included)")
     for col in ("steps/topk/draft", "drafting", "accept length", "cycles", "P(accept) by position", "mismatch"):
         t.add_column(col, justify="right" if col in ("accept length", "cycles", "mismatch") else "left")
@@ -69,8 +75,11 @@ def print_summary(report: dict, console=None) -> None:
         lat = cost.get("latencies", {})
         console.print(f"Cost model ({lat.get('source', '')}: baseline {1000 / lat['baseline_token_ms']:.1f} tok/s, "
                       f"verify {lat['verify_ms']:.1f} ms):")
-        for line in verdict_lines(report):
-            console.print("  " + line)
+        lines = verdict_lines(report)
+        for line in lines:
+            console.print("  " + escape(line))
+        if not lines:
+            console.print("  no verdict: no accept length could be measured on this split")
     best = report.get("best")
     if best:
         console.print(f"[bold]Verdict:[/] best setting {best['label']} (steps/topk/draft tokens): "
@@ -79,4 +88,4 @@ def print_summary(report: dict, console=None) -> None:
                       f"{best['speedup']:.2f}x); to win it needs accept length > {best['break_even_accept_length']:.2f}, "
                       f"it has {best['accept_length']:.2f}")
     for w in report.get("warnings") or []:
-        console.print(f"[bold yellow]warning:[/] {w}")
+        console.print(f"[bold yellow]warning:[/] {escape(w)}")

@@ -354,3 +354,15 @@ def test_torchrun_two_processes_read_like_one(tmp_path, targets, prepared):
     for i in range(len(a)):
         for key in ("input_ids", "loss_mask", "aux", "last", "target_argmax"):
             assert torch.equal(a[i][key], b[i][key]), (i, key)
+
+
+def test_changing_the_number_of_processes_refuses_to_mix(tmp_path, targets, prepared):
+    one = capture_config(tmp_path, targets, prepared, out="one", overrides=["limit=4", "splits=[validation]"])
+    run_capture(one, Dist())
+    with pytest.raises(CaptureError, match="captured with 1 process.*this run has 2"):
+        run_capture(one, Dist(rank=0, world=2))
+    two = capture_config(tmp_path, targets, prepared, out="two", overrides=["limit=4", "splits=[validation]"])
+    run_capture(two, Dist(rank=1, world=2))
+    run_capture(two, Dist(rank=0, world=2))
+    with pytest.raises(CaptureError, match="refusing to mix.*world_size"):
+        run_capture(two, Dist())

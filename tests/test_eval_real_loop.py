@@ -84,7 +84,7 @@ def test_tree_speculative_decode_is_lossless(target, tiny_k25_target, fitted, kn
         base = greedy_decode(target, ps[1], 16)
         spec = tree_speculative_decode(target, d, ps[1], 16, knobs)
         assert spec.tokens == base.tokens and sum(spec.emitted) == 15
-    assert spec.accept_length > 1.5  # the fitted drafter's tree gets accepted: the cache surgery is exercised
+    assert max(spec.accepted) >= 2  # the fitted drafter's tree paths get accepted: the cache surgery is exercised
 
 
 def test_speculative_decode_stops_at_eos_like_greedy(target, tiny_k25_target, fitted):

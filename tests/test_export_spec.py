@@ -201,3 +201,83 @@ def test_rope_settings_reads_transformers5_rope_parameters():
     assert theta == 5e5 and scaling == {"rope_type": "linear", "factor": 2.0}
     with pytest.raises(KeyError, match="rope_theta"):
         spec.rope_settings({})
+
+
+# --- what the servers' loaders do with these names (their load_weights logic, restated from the sources) ----
+
+SGLANG_PARAMS = {  # LlamaForCausalLMEagle3.named_parameters() (q/k/v and gate/up fused)
+    "model.embed_tokens.weight", "model.fc.weight", "model.midlayer.self_attn.qkv_proj.weight",
+    "model.midlayer.self_attn.o_proj.weight", "model.midlayer.mlp.gate_up_proj.weight",
+    "model.midlayer.mlp.down_proj.weight", "model.midlayer.input_layernorm.weight",
+    "model.midlayer.hidden_norm.weight", "model.midlayer.post_attention_layernorm.weight",
+    "model.norm.weight", "lm_head.weight"}
+VLLM_PARAMS = {  # Eagle3LlamaForCausalLM.named_parameters()
+    "model.embed_tokens.weight", "model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+    "model.layers.0.hidden_norm.weight", "model.layers.0.post_attention_layernorm.weight",
+    "model.norm.weight", "lm_head.weight", "draft_id_to_target_id"}
+STACKED = ((".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+           (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj"))
+
+
+def sglang_target(name):
+    """SGLang's load_weights: d2t -> hot_token_id, t2d skipped, fused names, `model.` prefix fallback;
+    a name that still matches no parameter is dropped without a word (None here)."""
+    if "d2t" in name or "t2d" in name:
+        return "<consumed>"
+    for fused, part in STACKED:
+        if part in name:
+            name = name.replace(part, fused)
+            break
+    for cand in (name, f"model.{name}"):
+        if cand in SGLANG_PARAMS:
+            return cand
+    return None
+
+
+def vllm_target(name):
+    """vLLM's Eagle3LlamaForCausalLM.load_weights + LlamaModel.load_weights (speculators names)."""
+    if "t2d" in name:
+        return "<consumed>"
+    if "d2t" in name:
+        return "draft_id_to_target_id"
+    name = name if "lm_head" in name else "model." + name
+    name = name.replace("midlayer.", "layers.0.")
+    for fused, part in STACKED:
+        if part in name:
+            name = name.replace(part, fused)
+            break
+    return name if name in VLLM_PARAMS else None
+
+
+@pytest.mark.parametrize("fmt,target,params", [("sglang", sglang_target, SGLANG_PARAMS),
+                                                ("speculators", vllm_target, VLLM_PARAMS)])
+def test_every_exported_name_lands_in_a_server_parameter(fmt, target, params):
+    names = spec.expected_tensors(shape_of(DrafterConfig(**TINY)), fmt)
+    landed = {n: target(n) for n in names}
+    assert [n for n, t in landed.items() if t is None] == []          # nothing silently dropped
+    # every server parameter but the (target's, shared) embedding receives a tensor
+    assert params - set(landed.values()) == {"model.embed_tokens.weight"}
+    # and the mistakes the validator exists for really are silent on the server side: a misspelt weight,
+    # and the other format's layer prefix
+    other_prefix = {"sglang": "layers.0.mlp.up_proj.weight", "speculators": "midlayers.0.mlp.up_proj.weight"}[fmt]
+    assert target("midlayer.self_attn.qproj.weight") is None
+    assert target(other_prefix) is None
+
+
+def test_exported_configs_parse_as_transformers_configs():
+    """SGLang reads the draft config with AutoConfig (model_type llama); speculators builds a LlamaConfig
+    from transformer_layer_config."""
+    from transformers import LlamaConfig
+
+    sg = spec.sglang_config(DrafterConfig(**TINY).to_hf_dict(), vocab_size=50, max_position_embeddings=4096,
+                            aux_layer_ids=[0, 2, 4], dtype="bfloat16")
+    cfg = LlamaConfig(**{k: v for k, v in sg.items() if k != "model_type"})
+    assert cfg.draft_vocab_size == 12 and cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert cfg.tie_word_embeddings is False and cfg.max_position_embeddings == 4096 and cfg.head_dim == 8
+    assert cfg.num_hidden_layers == 1 and cfg.target_hidden_size == 24
+    sp = spec.speculators_config(sg, hf_indices=[1, 3, 5], verifier_path="/t", verifier_architectures=["X"],
+                                 speculative_tokens=2)
+    layer = LlamaConfig(**{k: v for k, v in sp["transformer_layer_config"].items() if k != "model_type"})
+    assert layer.vocab_size == 50 and layer.hidden_size == 16 and layer.num_key_value_heads == 2

@@ -115,3 +115,13 @@ def test_rerun_is_reused_and_changed_config_rebuilds(tiny_world, capsys):
     assert "tokenizer: reused" in log and "k2-mini: reused" in log and "k25-mini: loss" in log
     assert (out / "k2-mini" / "model.safetensors").stat().st_mtime_ns == k2_before
     assert json.loads((out / "report.json").read_text())["models"]["k25-mini"]["train"]["steps"] == 3
+
+
+def test_too_little_data_fails_clearly_and_leaves_no_manifest(tmp_path, tiny_corpus_jsonl):
+    from data.mini_world.build import MiniWorldError
+
+    cfg = tiny_config(tmp_path, f"source={tiny_corpus_jsonl}", "split.max_records=null",
+                      "split.corpus_conversations_k25=50")
+    with pytest.raises(MiniWorldError, match=r"no k2 training conversations left in .*tiny\.jsonl"):
+        run_mini_world(cfg)
+    assert not (tmp_path / "mini_world" / "manifest.json").exists()

@@ -248,6 +248,14 @@ def test_every_bad_input_reason_is_counted_and_good_records_kept(tmp_path, tiny_
         assert f"skipped {reason}" in printed and f" {n}" in printed
 
 
+def test_an_empty_validation_split_is_a_loadable_empty_dataset(tmp_path, tiny_tokenizer):
+    out = run_prepare(prepare_config(tmp_path, tiny_tokenizer, write_jsonl(tmp_path / "c.jsonl", GOOD[:3]),
+                                     "validation_fraction=0.0"))
+    val = load_split(out, "validation")
+    assert len(val) == 0 and val.features == load_split(out, "train").features
+    assert read_manifest(out, "prepare")["splits"]["validation"]["conversations"] == 0
+
+
 def test_same_records_as_jsonl_json_array_and_hf_dataset(tmp_path, tiny_tokenizer):
     jsonl = write_jsonl(tmp_path / "c.jsonl", GOOD)
     array = tmp_path / "c.json"

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from data.openai_server import ChatServer, FaultPlan, hf_generate_fn
 from data.prepare import Conversation, SkipCounter, run_prepare
-from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch)
+from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch,
+                             split_reasoning)
 from eagle3.conf import compose, to_schema
 from eagle3.manifest import read_manifest
 from eagle3.schema.prepare import PrepareConfig
@@ -71,6 +72,18 @@ def test_multi_turn_prompts_include_earlier_regenerated_turns():
     assert all("old" not in m["content"] for p in prompts for m in p)
 
 
+def test_reasoning_is_split_off_and_kept_in_its_own_field():
+    assert split_reasoning([5, 6, 9, 7, 8], end_think=9) == ([5, 6], [7, 8])
+    assert split_reasoning([5, 9, 6, 9, 7], end_think=9) == ([5, 9, 6], [7])  # the last </think> closes it
+    assert split_reasoning([5, 6], end_think=9) == (None, [5, 6])
+    assert split_reasoning([5, 6], end_think=None) == (None, [5, 6])
+    c = Conversation("x", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}])
+    (msgs, _), = regenerate_batch([c], lambda batch: [("answer", "stop", "thinking...")])
+    assert msgs[1] == {"role": "assistant", "content": "answer", "reasoning_content": "thinking..."}
+    (msgs, _), = regenerate_batch([c], lambda batch: [("answer", "stop", None)])
+    assert msgs[1] == {"role": "assistant", "content": "answer"}
+
+
 def test_store_resumes_and_cuts_a_partial_last_line(tmp_path):
     path, settings = tmp_path / "s.jsonl", {"backend": "x", "temperature": 0.0}
     store = RegenStore(path, settings)
@@ -100,7 +113,7 @@ def test_hf_generator_batched_equals_one_by_one(k25_generator):
     batched = k25_generator.generate(prompts)
     single = [k25_generator.generate([p])[0] for p in prompts]
     assert batched == single
-    assert all(reason in ("stop", "length") for _, reason in batched)
+    assert all(reason in ("stop", "length") for _, reason, _ in batched)
 
 
 def test_hf_backend_regenerates_every_assistant_turn(tmp_path, tiny_k2_target, tiny_k25_target, k25_generator):
@@ -179,10 +192,12 @@ def test_client_retries_every_fault_kind(served):
     sleeps = []
     client = ChatClient(served.url, "default", max_retries=8, backoff_s=0.001, backoff_max_s=0.002,
                         max_tokens=MAX_NEW, sleep=sleeps.append)
-    text, reason = client.complete([{"role": "user", "content": "hi"}])
+    text, reason, _ = client.complete([{"role": "user", "content": "hi"}])
     assert isinstance(text, str) and reason in ("stop", "length")
     assert [a for _, a in served.request_log] == ["500", "reset", "malformed", "truncated", "empty", "429", "503", "slow"]
     assert client.retries == 7 and len(sleeps) == 7
+    # reset and truncated body: connection; malformed JSON and no choices: malformed
+    assert client.retries_by_kind == {"5xx": 2, "connection": 2, "malformed": 2, "429": 1}
     client.close()
 
 
@@ -211,6 +226,7 @@ def test_failed_conversations_are_counted_then_done_on_rerun(tmp_path, tiny_k25_
                        "regenerate.openai.backoff_s=0")
     m = read_manifest(run_prepare(cfg), "prepare")
     assert m["counts"]["skipped"]["regen_failed"] == 1 and m["counts"]["kept"] == 1
+    assert m["regenerate"]["retries_by_kind"] == {"5xx": 2}  # 3 attempts = 2 retries, then it gave up
     assert "gave up after 3 attempts" in m["skip_examples"]["regen_failed"][0]
     reset_server(served)
     m2 = read_manifest(run_prepare(cfg), "prepare")
@@ -252,7 +268,7 @@ def test_server_command_line_serves_and_injects_faults():
         line = proc.stdout.readline()
         url = line.split(" at ")[1].split()[0]
         client = ChatClient(url, "default", max_retries=3, backoff_s=0.0, max_tokens=3)
-        assert client.complete([{"role": "user", "content": "one two three four"}]) == ("one two three", "length")
+        assert client.complete([{"role": "user", "content": "one two three four"}]) == ("one two three", "length", None)
         assert client.retries == 2  # the 503 and the reset were retried
         client.close()
     finally:

@@ -222,3 +222,31 @@ def test_a_store_locked_by_another_process_is_refused(tmp_path):
     w.finish()
     assert not (tmp_path / ".lock").exists()  # a complete store carries no lock file
     writer(tmp_path).finish()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.parametrize("background", [False, True])
+def test_cuda_states_go_through_pinned_async_copies_exactly(tmp_path, background):
+    """GPU tensors are copied into pinned shard buffers on a side stream while the GPU keeps
+    working and the sources are freed: the store must still hold exactly the values added."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = writer(tmp_path, dtype="bfloat16", shard_tokens=4096, hidden_size=256, target_hidden_size=256,
+               background=background)
+    expect, lengths = {}, [3000, 1500, 5000, 700, 2048, 1, 4096, 2500]  # 5000 > shard_tokens: buffer grows
+    for i, T in enumerate(lengths):
+        aux = torch.randn(T, 3 * 256, device=dev, generator=g).bfloat16()
+        last = torch.randn(T, 256, device=dev, generator=g).bfloat16()
+        ids = torch.randint(0, 1000, (T,))
+        expect[f"s{i}"] = (aux.cpu(), last.cpu(), ids)
+        w.add(f"s{i}", ids, torch.ones(T, dtype=torch.bool), aux, last, ids)
+        del aux, last
+        junk = torch.randn(4096, 4096, device=dev)  # reuse freed memory while copies may be in flight
+        junk = junk @ junk
+    w.finish()
+    store = HiddenStateStore(tmp_path, verify="sha256")
+    assert store.lengths == lengths
+    for i in range(len(store)):
+        rec = store[i]
+        aux, last, ids = expect[rec["id"]]
+        assert torch.equal(rec["aux"], aux) and torch.equal(rec["last"], last) and torch.equal(rec["input_ids"], ids)

@@ -180,6 +180,10 @@ def auto_threads() -> int:
     return max(1, min(cores, round(cores - busy)))
 
 
+class MiniWorldError(RuntimeError):
+    """The mini world cannot be built from this source and these settings (the message says why)."""
+
+
 def run_mini_world(cfg: MiniWorldConfig) -> Path:
     out = Path(cfg.out_dir)
     t_all = time.perf_counter()
@@ -192,37 +196,17 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
             _log(f"{out} is up to date (manifest matches the config and source); nothing to do")
             return out
         out.mkdir(parents=True, exist_ok=True)
+        (out / "manifest.json").unlink(missing_ok=True)  # no manifest <=> the world is incomplete
         stages = _Stages(out, _stage_keys(key), fresh=cfg.force)
         _log(f"building {out} with {threads} torch thread(s)")
-
         t = time.perf_counter()
-        records, stats = _read_records(src, cfg.split.max_records)
-    _log(stats.summary())
-    s = cfg.split
-    quotas = {(PROSE, "eval"): s.eval_conversations, (CODE, "eval"): s.eval_conversations,
-              (PROSE, "corpus"): s.corpus_conversations_k2, (CODE, "corpus"): s.corpus_conversations_k25}
-    split = split_conversations(records, seed=cfg.seed, code_min_hits=s.code_min_hits,
-                                max_non_ascii_fraction=s.max_non_ascii_fraction, quotas=quotas)
-    del records
+        stats, split = _read_and_split(cfg, src)
+        stages.times["read_split"] = time.perf_counter() - t
     parts = split.parts
-    _log(f"split: {split.counts()}; skipped {dict(split.skipped)}")
-    for kind in (PROSE, CODE):
-        if not parts[(kind, "train")]:
-            raise ValueError(f"no {kind} training conversations left after the held-out quotas; "
-                             f"lower split.*_conversations or read more records")
-    stages.times["read_split"] = time.perf_counter() - t
 
     tok = _tokenizer_stage(cfg, out, stages, parts)
     t = time.perf_counter()
-    enc = {}
-    for kind, train_cfg in ((PROSE, cfg.k2_train), (CODE, cfg.k25_train)):
-        # a seeded shuffle of the training part, then just enough of it for the steps asked
-        convs = parts[(kind, "train")]
-        order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        need = (train_cfg.steps * train_cfg.batch_size + 1) * train_cfg.seq_len
-        common = dict(max_tokens=cfg.max_tokens_per_conversation, max_chars=8 * cfg.max_tokens_per_conversation)
-        enc[kind] = {"train": encode_until(tok, [convs[i] for i in order], need, **common),
-                     "eval": encode_until(tok, parts[(kind, "eval")], cfg.max_eval_tokens + 1, **common)}
+    enc = _encode_parts(cfg, tok, parts)
     stages.times["encode"] = time.perf_counter() - t
 
     k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)
@@ -234,12 +218,11 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     stages.times["corpus"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    ppl = {}
-    for name, model in (("k2-mini", k2), ("k25-mini", k25)):
-        ppl[name] = {TARGET_NAMES[k]: perplexity(model, enc[k]["eval"], max_tokens=cfg.max_eval_tokens)
-                     for k in (PROSE, CODE)}
-    unigram = {TARGET_NAMES[k]: unigram_perplexity(enc[PROSE]["train"] + enc[CODE]["train"], enc[k]["eval"],
-                                                   len(tok), max_tokens=cfg.max_eval_tokens) for k in (PROSE, CODE)}
+    ppl = {name: {TARGET_NAMES[k]: perplexity(model, enc[k]["eval"], max_tokens=cfg.max_eval_tokens)
+                  for k in (PROSE, CODE)} for name, model in (("k2-mini", k2), ("k25-mini", k25))}
+    train_all = enc[PROSE]["train"] + enc[CODE]["train"]
+    unigram = {TARGET_NAMES[k]: unigram_perplexity(train_all, enc[k]["eval"], len(tok), max_tokens=cfg.max_eval_tokens)
+               for k in (PROSE, CODE)}
     stages.times["perplexity"] = time.perf_counter() - t
     stages.times["total"] = time.perf_counter() - t_all
 
@@ -251,14 +234,45 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
                        "hidden_size": m.config.hidden_size,
                        "train": json.loads((out / n / "train_stats.json").read_text())}
                    for n, m in (("k2-mini", k2), ("k25-mini", k25))},
-        "perplexity": ppl, "unigram_perplexity": unigram,
+        "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads,
         "times_s": {k: round(v, 1) for k, v in stages.times.items()},
     }
     atomic_write_json(out / "report.json", report)
     write_manifest(out, STAGE, cfg, build_key=key, source=str(src), source_read=stats.as_dict(),
-                   counts=split.counts(), torch_threads=threads, artifacts=["tokenizer", "k2-mini", "k25-mini", "corpus", "report.json"])
+                   counts=split.counts(), torch_threads=threads,
+                   artifacts=["tokenizer", "k2-mini", "k25-mini", "corpus", "report.json"])
     print(format_report(report), flush=True)
     return out
+
+
+def _read_and_split(cfg: MiniWorldConfig, src: Path):
+    records, stats = _read_records(src, cfg.split.max_records)
+    _log(stats.summary())
+    s = cfg.split
+    quotas = {(PROSE, "eval"): s.eval_conversations, (CODE, "eval"): s.eval_conversations,
+              (PROSE, "corpus"): s.corpus_conversations_k2, (CODE, "corpus"): s.corpus_conversations_k25}
+    split = split_conversations(records, seed=cfg.seed, code_min_hits=s.code_min_hits,
+                                max_non_ascii_fraction=s.max_non_ascii_fraction, quotas=quotas)
+    _log(f"split: {split.counts()}; skipped {dict(split.skipped)}")
+    for kind in (PROSE, CODE):
+        if not split.parts[(kind, "train")]:
+            raise MiniWorldError(f"no {kind} training conversations left in {src} after the held-out quotas; "
+                                 f"lower split.eval_conversations / split.corpus_conversations_* or read more records")
+    return stats, split
+
+
+def _encode_parts(cfg: MiniWorldConfig, tok, parts) -> dict:
+    """Token ids per distribution: a seeded shuffle of the training part, encoded only as far as
+    the training steps need, and the eval part."""
+    enc = {}
+    common = dict(max_tokens=cfg.max_tokens_per_conversation, max_chars=8 * cfg.max_tokens_per_conversation)
+    for kind, train_cfg in ((PROSE, cfg.k2_train), (CODE, cfg.k25_train)):
+        convs = parts[(kind, "train")]
+        order = torch.randperm(len(convs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        need = (train_cfg.steps * train_cfg.batch_size + 1) * train_cfg.seq_len
+        enc[kind] = {"train": encode_until(tok, [convs[i] for i in order], need, **common),
+                     "eval": encode_until(tok, parts[(kind, "eval")], cfg.max_eval_tokens + 1, **common)}
+    return enc
 
 
 def _tokenizer_stage(cfg, out: Path, stages: _Stages, parts):

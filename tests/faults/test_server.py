@@ -3,6 +3,7 @@
 (5xx, 429, connection resets, hangs past the timeout, malformed / truncated JSON) and answers slowly.
 Every conversation must come out exactly once, retries must be bounded, and the failures counted."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,66 @@ def test_failures_are_counted_by_kind(tmp_path, tiny_k25_target, served):
     m = read_manifest(run_prepare(flaky_config(tmp_path, tiny_k25_target, served.url)), "prepare")
     by_kind = m["regenerate"].get("retries_by_kind") or m["regenerate"].get("failures_by_kind")
     assert by_kind and sum(by_kind.values()) == 4
+
+
+KILL_CONVS = CONVS[:8]
+
+
+@pytest.mark.parametrize("seed,kill_after_lines", [(5, 2)])  # one point: each case costs ~40 s
+def test_killed_regeneration_resumes_without_duplicates_or_losses(tmp_path, tiny_k25_target, served, seed,
+                                                                  kill_after_lines):
+    """SIGKILL a real `data/run_prepare.py` regenerating against the flaky server once `kill_after_lines`
+    conversations are stored, rerun the same command: the prepared dataset equals an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import datasets
+    from data.prepare import run_prepare
+    from data.regenerate import settings_of, store_path
+    from eagle3 import REPO_ROOT
+
+    def overrides(root):
+        return [f"paths.root={root}", f"target.path={tiny_k25_target}", f"target.tokenizer={tiny_k25_target}",
+                f"input={write_corpus(tmp_path / 'c.jsonl', KILL_CONVS)}", "regenerate.backend=openai",
+                "regenerate.max_new_tokens=6", "validation_fraction=0.0", f"regenerate.openai.base_url={served.url}",
+                "regenerate.openai.concurrency=1", "regenerate.openai.timeout_s=8.0", "regenerate.openai.max_retries=6",
+                "regenerate.openai.backoff_s=0.01", "regenerate.openai.backoff_max_s=0.05"]
+
+    from eagle3.conf import compose, to_schema
+    from eagle3.schema.prepare import PrepareConfig
+
+    def config(root):
+        return to_schema(compose("prepare", overrides(root)), PrepareConfig)
+
+    def rows(out):
+        ds = datasets.load_from_disk(str(out / "train"))
+        return sorted(zip(ds["id"], map(list, ds["input_ids"]), map(list, ds["loss_mask"])))
+
+    plan = dict(rates={"500": 0.1, "reset": 0.05, "malformed": 0.05, "slow": 0.3}, slow_s=0.05, seed=seed)
+    reset_server(served, FaultPlan(**plan))
+    ref = run_prepare(config(tmp_path / "ref"))
+    cfg = config(tmp_path / "killed")
+    store = store_path(cfg, settings_of(cfg))
+    reset_server(served, FaultPlan(**plan))
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "data" / "run_prepare.py"), *overrides(tmp_path / "killed")],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if store.is_file() and sum(1 for line in open(store) if '"id"' in line) >= kill_after_lines:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, f"prepare ended before the kill: {proc.stderr.read()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    stored = [json.loads(line)["id"] for line in open(store) if '"id"' in line]
+    assert 0 < len(stored) < len(KILL_CONVS) and not (Path(cfg.out_dir) / "manifest.json").exists()
+    out = run_prepare(cfg)                                        # the same command again
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["regenerate"]["resumed"] >= len(stored) and m["counts"]["kept"] == len(KILL_CONVS)
+    ids = [json.loads(line)["id"] for line in open(store) if '"id"' in line]
+    assert sorted(ids) == sorted(c["id"] for c in KILL_CONVS)          # none lost, none twice
+    assert rows(out) == rows(ref)                                  # greedy: the same dataset
