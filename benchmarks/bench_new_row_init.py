@@ -34,7 +34,7 @@ from eagle3.loss import loss_positions, shift_left  # noqa: E402
 from eagle3.store import HiddenStateStore  # noqa: E402
 from eagle3.ttt import TTTCache  # noqa: E402
 from eagle3.unroll import ttt_unroll  # noqa: E402
-from eagle3.vocab_map import ids_from_d2t  # noqa: E402
+from eagle3.vocab_map import ids_from_d2t, masked_token_counts, top_n_vocab  # noqa: E402
 
 RULES = ("target_lm_head", "mean", "zeros")
 
@@ -98,8 +98,14 @@ def train_old_drafter(args):
     root = Path(args.root)
     stages = root / "stages" / args.old_target
     target = Path(args.old_target_dir or root / "mini_world" / "k2-mini")
-    train = HiddenStateStore(stages / "capture" / "train")
-    new_ids = ids_from_d2t(load_file(str(stages / "vocab" / "vocab.safetensors"))["d2t"])
+    train = HiddenStateStore(stages / "capture" / "train", allow_incomplete=args.allow_incomplete)
+    vocab_file = stages / "vocab" / "vocab.safetensors"
+    if vocab_file.is_file():
+        new_ids = ids_from_d2t(load_file(str(vocab_file))["d2t"])
+    else:  # no vocab stage for the old target: top-N of the store's own loss-masked tokens
+        V = int(target_io.read_text_config(target, "causal_lm")["vocab_size"])
+        counts = sum(masked_token_counts(train[i]["input_ids"], train[i]["loss_mask"], V) for i in range(len(train)))
+        new_ids = top_n_vocab(counts, args.old_vocab_size)
     lm_rows = target_io.load_lm_head_rows(target, "causal_lm", new_ids).float()
     model, _ = build_training_drafter("scratch", None, target, "causal_lm", new_ids, train.aux_layer_ids)
     out = fine_tune(model, train, lm_rows, args.old_steps, args.lr * 2, args.batch, args.max_len, args.ttt)
@@ -124,6 +130,8 @@ def main():
     ap.add_argument("--old-target", default="k2_mini")
     ap.add_argument("--old-target-dir", default=None, help="default <root>/mini_world/k2-mini")
     ap.add_argument("--old-steps", type=int, default=300)
+    ap.add_argument("--old-vocab-size", type=int, default=2048, help="when the old target has no vocab stage")
+    ap.add_argument("--allow-incomplete", action="store_true", help="old target's capture may be unfinished")
     args = ap.parse_args()
     if args.make_old:
         return train_old_drafter(args)

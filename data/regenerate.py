@@ -103,7 +103,7 @@ def settings_of(cfg) -> dict:
     """What decides the responses (and so the store's identity)."""
     r = cfg.regenerate
     s = {"backend": r.backend, "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-         "seed": r.seed}
+         "seed": r.seed, "max_length": cfg.max_length}  # turns past max_length are kept as written
     # openai: the served model's name and the target, not the URL (a restarted server on another
     # port resumes the same store); hf: the target checkpoint itself.
     s["model"] = f"{r.openai.model} ({cfg.target.name})" if r.backend == "openai" else cfg.target.path
@@ -134,10 +134,19 @@ def assistant_message(text: str, reasoning: Optional[str] = None) -> dict:
     return msg
 
 
-def regenerate_batch(convs: list[Conversation], generate: BatchGenerate) -> list[tuple[list[dict], list[str]]]:
+PAST_MAX_LENGTH = "past_max_length"  # finish reason of a turn kept as written (see regenerate_batch)
+
+
+def regenerate_batch(convs: list[Conversation], generate: BatchGenerate,
+                     fits: Optional[Callable[[list[dict]], bool]] = None) -> list[tuple[list[dict], list[str]]]:
     """Regenerate the assistant turns of `convs` in lockstep: round j generates the j-th
     assistant turn of every conversation that has one, from its history so far (earlier
-    turns already regenerated). Returns (new messages, finish reasons) per conversation."""
+    turns already regenerated). Returns (new messages, finish reasons) per conversation.
+
+    `fits(history)` says whether a turn starting after `history` can still reach the tokenized
+    data; once it cannot (the history is already past prepare's max_length, so truncation drops
+    everything after it), the rest of the conversation is kept as written, unregenerated, with
+    finish reason `past_max_length`: generating text that is cut off anyway would only cost time."""
     new = [[] for _ in convs]  # messages built so far
     reasons = [[] for _ in convs]
     pos = [0] * len(convs)  # next source message to copy
@@ -148,6 +157,11 @@ def regenerate_batch(convs: list[Conversation], generate: BatchGenerate) -> list
             while pos[c] < len(msgs) and msgs[pos[c]]["role"] != "assistant":
                 new[c].append(dict(msgs[pos[c]]))
                 pos[c] += 1
+            if pos[c] < len(msgs) and fits is not None and not fits(new[c]):
+                for m in msgs[pos[c]:]:
+                    new[c].append(dict(m))
+                    reasons[c].extend([PAST_MAX_LENGTH] if m["role"] == "assistant" else [])
+                pos[c] = len(msgs)
             if pos[c] < len(msgs):
                 batch.append(c)
         if not batch:
@@ -181,18 +195,22 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
         stats["generated"] += 1
         bar.update(1)
 
+    def fits(history: list[dict]) -> bool:
+        prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) < cfg.max_length
+
     if todo and r.backend == "hf":
         gen = HFGenerator.from_target(cfg.target, tokenizer, r)
         todo.sort(key=lambda c: sum(len(m["content"]) for m in c.messages))  # similar lengths: less padding
         for i in range(0, len(todo), r.batch_size):
             chunk = todo[i: i + r.batch_size]
             try:
-                results = list(zip(chunk, regenerate_batch(chunk, gen.generate)))
+                results = list(zip(chunk, regenerate_batch(chunk, gen.generate, fits)))
             except GenerationFailed:  # one conversation spoils the batch: redo them one by one
                 results = []
                 for conv in chunk:
                     try:
-                        results.append((conv, regenerate_batch([conv], gen.generate)[0]))
+                        results.append((conv, regenerate_batch([conv], gen.generate, fits)[0]))
                     except GenerationFailed as e:
                         failures[conv.id] = str(e)
                         bar.update(1)
@@ -203,7 +221,7 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
         client.preflight()
         pool = ThreadPoolExecutor(max_workers=r.openai.concurrency)
         try:
-            futs = {pool.submit(regenerate_batch, [c], lambda ms: [client.complete(ms[0])]): c for c in todo}
+            futs = {pool.submit(regenerate_batch, [c], lambda ms: [client.complete(ms[0])], fits): c for c in todo}
             for fut in as_completed(futs):
                 conv = futs[fut]
                 try:
@@ -229,6 +247,8 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
         rec = store.get(conv.id)
         stats["turns"] += len(rec["finish_reasons"])
         stats["turns_hit_max_tokens"] += sum(f == "length" for f in rec["finish_reasons"])
+        stats["turns_past_max_length"] = stats.get("turns_past_max_length", 0) + sum(
+            f == PAST_MAX_LENGTH for f in rec["finish_reasons"])
         out.append(Conversation(conv.id, rec["messages"], conv.location))
     return out, stats
 

@@ -122,6 +122,8 @@ def test_evaluate_drafter_on_a_self_consistent_store(tmp_path):
     # step-0 teacher-forced accuracy: the store is built from the drafter's own step-0 choices
     in_vocab_steps = rep["accuracy"]["step_accuracy"]
     assert in_vocab_steps[0] == 1.0 and rep["accuracy"]["conditional_accuracy"][0] == 1.0
+    cond = rep["accuracy"]["conditional_accuracy"]
+    assert rep["accuracy"]["chain_estimate"] == {"2/1/3": pytest.approx(1 + cond[0] + cond[0] * cond[1])}
 
 
 def test_mismatching_store_warns_and_bad_pairs_fail(tmp_path):

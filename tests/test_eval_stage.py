@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, compose, to_schema
 from eagle3.drafter_io import save_drafter_dir
 from eagle3.schema.eval import EvalConfig
@@ -88,6 +89,21 @@ def test_run_eval_bad_inputs(world, tiny_k25_target, tmp_path):
     (bad / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
     with pytest.raises(EvalInputError, match="aux_layer_ids"):
         run_eval(eval_config(root, tiny_k25_target, bad, "name=bad"))
+
+
+def test_cost_falls_back_to_the_teacher_forced_estimate_without_cycles():
+    from eagle3.cost_model import ACCOUNT_8GPU_PCIE
+    from eval.stage import best_setting, cost_section
+
+    knobs = [SpecKnobs(2, 1, 3)]
+    nan = float("nan")
+    report = {"accept": {"2/1/3": {"drafter": {"accept_length": nan}, "ngram": {"accept_length": nan}}},
+              "accuracy": {"chain_estimate": {"2/1/3": 2.6}}}
+    report["cost"] = cost_section(report, knobs, ACCOUNT_8GPU_PCIE)
+    pred = report["cost"]["by_knob"]["2/1/3"]["drafter"]
+    assert pred["accept_length"] == 2.6 and pred["wins"] and "teacher-forced" in pred["accept_length_source"]
+    assert "ngram" not in report["cost"]["by_knob"]["2/1/3"]
+    assert best_setting(report, knobs)["label"] == "2/1/3"
 
 
 def test_config_defaults_and_cost_overrides(tmp_path):

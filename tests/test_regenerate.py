@@ -72,6 +72,22 @@ def test_multi_turn_prompts_include_earlier_regenerated_turns():
     assert all("old" not in m["content"] for p in prompts for m in p)
 
 
+def test_turns_past_max_length_are_kept_as_written_not_generated():
+    prompts = []
+
+    def fake_generate(batch):
+        prompts.extend(batch)
+        return [("new", "stop") for _ in batch]
+
+    c = Conversation("x", [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "old0"},
+                           {"role": "user", "content": "u1"}, {"role": "assistant", "content": "old1"},
+                           {"role": "user", "content": "u2"}, {"role": "assistant", "content": "old2"}])
+    # a history of more than two messages no longer fits: only the first turn is regenerated
+    (msgs, fins), = regenerate_batch([c], fake_generate, fits=lambda history: len(history) <= 2)
+    assert [m["content"] for m in msgs] == ["u0", "new", "u1", "old1", "u2", "old2"]
+    assert fins == ["stop", "past_max_length", "past_max_length"] and len(prompts) == 1
+
+
 def test_reasoning_is_split_off_and_kept_in_its_own_field():
     assert split_reasoning([5, 6, 9, 7, 8], end_think=9) == ([5, 6], [7, 8])
     assert split_reasoning([5, 9, 6, 9, 7], end_think=9) == ([5, 9, 6], [7])  # the last </think> closes it

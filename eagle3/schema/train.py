@@ -86,7 +86,7 @@ class TrainConfig:
     log_every: int = 10
     val_every: int = 500                  # optimizer steps between validations (0: only at start and end)
     val_max_batches: Optional[int] = None
-    val_accept_sequences: int = 16        # sequences replayed for the simulated accept length (0: off)
+    val_accept_sequences: int = 4         # sequences replayed for the simulated accept length (0: off; rank 0, slow)
     checkpoint_every: int = 500
     keep_checkpoints: int = 3             # newest checkpoints kept (0: all)
     on_nonfinite: str = "stop"            # stop: raise naming step and batch; skip: drop the step, count it

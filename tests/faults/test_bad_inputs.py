@@ -83,8 +83,6 @@ def test_corpus_of_malformed_records_is_counted_and_the_good_ones_kept(tmp_path,
     print("skipped:", {k: v for k, v in counts["skipped"].items() if v})
 
 
-@pytest.mark.xfail(strict=True, reason="RELIABILITY.md F5: a prepare run whose validation split is empty writes a "
-                                       "`datasets` directory that load_from_disk cannot open (IndexError in datasets)")
 def test_an_empty_validation_split_is_readable_or_refused_clearly(tmp_path, tiny_tokenizer):
     import datasets
     from data.prepare import run_prepare
