@@ -29,8 +29,7 @@ def test_tiny_tokenizer_specials_and_template(tiny_tokenizer):
     assert text == ("<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>user<|im_middle|>Hi there<|im_end|>"
                     "<|im_assistant|>assistant<|im_middle|>Hello!<|im_end|>")
     gen = tok.apply_chat_template(msgs[1:2], tokenize=False, add_generation_prompt=True)
-    assert gen.startswith("<|im_system|>system<|im_middle|>")  # default system turn, as Kimi's
-    assert gen.endswith("<|im_user|>user<|im_middle|>Hi there<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert gen == "<|im_user|>user<|im_middle|>Hi there<|im_end|><|im_assistant|>assistant<|im_middle|>"
     # list-of-parts content (multimodal style) renders its text parts
     parts = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "ab"}]}], tokenize=False)
     assert "<|im_middle|>ab<|im_end|>" in parts

@@ -32,6 +32,9 @@ from data.mini_world.split import CODE, PROSE, split_conversations
 from data.mini_world.tokenizer import IM_END, special_token_ids
 
 STAGE = "mini_world"
+# Bump when the code changes what is built from the same config (e.g. the chat template), so an
+# old world is rebuilt rather than reused. 2: no default system turn in the chat template.
+BUILD_VERSION = 2
 TARGET_NAMES = {PROSE: "k2_mini", CODE: "k25_mini"}  # = conf/target/*.yaml names: corpus/<name>.jsonl
 MODEL_DIRS = {PROSE: "k2-mini", CODE: "k25-mini"}
 
@@ -49,12 +52,13 @@ def build_key(cfg: MiniWorldConfig, source_fp: str) -> dict:
     c = as_plain_dict(cfg)
     for k in ("paths", "out_dir", "force", "init", "num_threads"):
         c.pop(k, None)
-    return {"config": c, "source_fingerprint": source_fp}
+    return {"config": c, "source_fingerprint": source_fp, "build_version": BUILD_VERSION}
 
 
 def _stage_keys(key: dict) -> dict:
     c = key["config"]
-    data = {"src": key["source_fingerprint"], "seed": c["seed"], "split": c["split"], "source": c["source"]}
+    data = {"src": key["source_fingerprint"], "seed": c["seed"], "split": c["split"], "source": c["source"],
+            "version": key["build_version"]}
     tok = {**data, "tokenizer": c["tokenizer"]}
     k2 = {**tok, "model": c["model"], "train": c["k2_train"], "max_tok": c["max_tokens_per_conversation"]}
     return {"tokenizer": _key(tok), "k2-mini": _key(k2), "k25-mini": _key({**k2, "train2": c["k25_train"]})}

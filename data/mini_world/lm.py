@@ -37,7 +37,7 @@ def encode_until(tokenizer, convs: Sequence[Conversation], need_tokens: int, *, 
 
 def pack_blocks(seqs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
     """Concatenate sequences and cut into [N, seq_len] blocks (the ragged tail is dropped).
-    Blocks may span conversations; every conversation starts with its own system header."""
+    Blocks may span conversations; each conversation starts with its own role header."""
     flat = [t for s in seqs for t in s]
     n = len(flat) // seq_len
     if n == 0:

@@ -14,12 +14,11 @@ IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END = (
 THINK, END_THINK = "<think>", "</think>"
 # Order fixes their ids: the last len(SPECIAL_TOKENS) ids of the vocabulary.
 SPECIAL_TOKENS = [BOS, EOS, UNK, PAD, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, THINK, END_THINK]
-DEFAULT_SYSTEM = "You are a helpful assistant."
-
-# Same shape as Kimi's template: `<|im_ROLE|>ROLE<|im_middle|>CONTENT<|im_end|>` per turn, a default
-# system turn when none is given, content either a string or a list of {"type": "text"} parts,
-# and `add_generation_prompt` opening an assistant turn. No `{% generation %}` markers: the real
-# Kimi template has none, so the loss mask must not depend on them.
+# Same shape as Kimi's template: `<|im_ROLE|>ROLE<|im_middle|>CONTENT<|im_end|>` per turn, content
+# either a string or a list of {"type": "text"} parts, `add_generation_prompt` opening an assistant
+# turn. No `{% generation %}` markers: the real Kimi template has none, so the loss mask must not
+# depend on them. No default system turn (Kimi-K2's template adds one): a tiny LM trained on text
+# where every conversation opens with the same system sentence learns to answer with it.
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{ content }}"
@@ -27,9 +26,6 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
-    "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM + "<|im_end|>"
-    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
     "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
