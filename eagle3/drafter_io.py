@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -58,6 +59,18 @@ def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:
         raise DrafterLoadError(f"{path}: {e}") from e
 
 
+@contextmanager
+def _open_weights(file: Path):
+    """safe_open, with a truncated / corrupt file reported as a DrafterLoadError naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) here
+        raise DrafterLoadError(f"{file}: unreadable safetensors file ({e}); it is truncated or corrupt: "
+                               f"re-export or re-download the drafter") from e
+    with handle as f:
+        yield f
+
+
 def _weight_files(drafter_dir: Path) -> dict[str, Path]:
     """Tensor name (as stored) -> file holding it."""
     index = drafter_dir / INDEX
@@ -70,7 +83,7 @@ def _weight_files(drafter_dir: Path) -> dict[str, Path]:
         return files
     single = drafter_dir / WEIGHTS
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open_weights(single) as f:
             return {name: single for name in f.keys()}
     others = sorted(p.name for p in drafter_dir.glob("*.bin")) + sorted(p.name for p in drafter_dir.glob("*.pt"))
     hint = f" (found {others}: convert to safetensors)" if others else ""
@@ -99,7 +112,7 @@ def inspect_drafter_dir(drafter_dir: str | Path) -> tuple[DrafterConfig, dict[st
         name = stored[len("model."):] if prefixed else stored
         where[name] = (stored, file)
     for name, (stored, file) in where.items():
-        with safe_open(str(file), framework="pt") as f:
+        with _open_weights(file) as f:
             shapes[name] = tuple(f.get_slice(stored).get_shape())
     problems = []
     optional = {"t2d"} | ({"d2t"} if "d2t" not in shapes and cfg.draft_vocab_size == cfg.vocab_size else set())
@@ -120,8 +133,12 @@ def inspect_drafter_dir(drafter_dir: str | Path) -> tuple[DrafterConfig, dict[st
 
 def _read(where: dict, name: str) -> torch.Tensor:
     stored, file = where[name]
-    with safe_open(str(file), framework="pt") as f:
-        return f.get_tensor(stored)
+    with _open_weights(file) as f:
+        try:
+            return f.get_tensor(stored)
+        except Exception as e:
+            raise DrafterLoadError(f"{file}: tensor {stored!r} unreadable ({e}); the file is truncated or "
+                                   f"corrupt: re-export or re-download the drafter") from e
 
 
 def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tensor] = None,

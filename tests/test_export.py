@@ -238,7 +238,7 @@ def test_truncated_checkpoint_weights_are_named(world, tmp_path):
     shutil.copytree(world["root"], root, symlinks=True, ignore=NO_EXPORTS)
     weights = root / world["checkpoint"].relative_to(world["root"]) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
-    with pytest.raises(ExportError, match=r"final: a weight file is unreadable .*truncated or corrupt"):
+    with pytest.raises(ExportError, match=r"final/model.safetensors: unreadable .*truncated or corrupt"):
         run_export(export_config({**world, "root": root}))
 
 

@@ -69,6 +69,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file_index(directory: Path, step: int) -> None:
+    """`checkpoint.json`: size and sha256 of every file in `directory`, so a reader (resume, the
+    export) can refuse a truncated or bit-flipped file by name."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(Path(directory).iterdir()) if p.is_file() and p.name != INDEX_FILE}
+    atomic_write_json(Path(directory) / INDEX_FILE, {"step": step, "files": files})
+
+
 def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], None], state: dict,
                     keep_last: int) -> Path:
     """Write checkpoint `step` atomically; `write_drafter(dir)` writes the drafter directory files.
@@ -83,9 +91,7 @@ def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], 
     try:
         write_drafter(tmp)
         torch.save(state, tmp / STATE_FILE)
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(tmp.iterdir()) if p.is_file()}
-        atomic_write_json(tmp / INDEX_FILE, {"step": step, "files": files})
+        write_file_index(tmp, step)
         for p in tmp.iterdir():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())

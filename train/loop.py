@@ -301,6 +301,7 @@ def _write_final(out, drafter, model_state, config, inputs, report, step, total,
     tmp = out / f".tmp-{FINAL}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     write_drafter_dir(drafter, model_state, tmp)
+    ckpt.write_file_index(tmp, step)  # the export verifies final/ against it
     if (out / FINAL).exists():
         shutil.rmtree(out / FINAL)
     os.rename(tmp, out / FINAL)

@@ -20,7 +20,7 @@ class TrainDataConf:
     max_length: int = 2048                # longer sequences are truncated (counted in the manifest)
     bucket_window: int = 1024             # sequences sorted by length within windows of this many
     num_workers: int = -1                 # DataLoader workers reading ahead; -1: 4 on GPU, 0 on CPU
-    verify: str = "size"                  # store check at open: size | sha256 | none
+    verify: str = "sha256"                # store check at open: sha256 (each shard hashed once) | size | none
 
     def validate(self) -> None:
         if self.max_tokens_per_batch < 1 or self.max_length < 2:
