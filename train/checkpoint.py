@@ -100,6 +100,10 @@ def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], 
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(ckpt_root)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing checkpoint {final} failed ({e}); is the disk full? Nothing partial was "
+                              f"left; earlier checkpoints are intact and the same command resumes from them") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -62,6 +62,13 @@ def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:
         raise TrainInputError(f"{path}: lacks {missing}")
+    from eagle3.vocab_map import VocabMapError, validate_mapping
+
+    try:  # the file's own d2t and t2d must describe the same vocab before anything uses them
+        validate_mapping(tensors["d2t"], tensors["t2d"])
+    except VocabMapError as e:
+        raise TrainInputError(f"{path}: its d2t/t2d mapping is inconsistent ({e}); the file is damaged: "
+                              f"rerun the vocab stage") from e
     return tensors["d2t"].long(), tensors["t2d"].bool()
 
 

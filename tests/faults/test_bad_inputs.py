@@ -103,6 +103,14 @@ def test_export_refuses_a_capture_from_another_target(pipeline, tmp_path):
         run_export(export_config(world, lone_checkpoint(pipeline, tmp_path), tmp_path / "e"))
 
 
+def reindex(drafter_dir):
+    """Re-write final/checkpoint.json after editing a file: a checkpoint a trainer wrote this way
+    (so the checksums hold and the export's own validation is what must catch the problem)."""
+    from train.checkpoint import INDEX_FILE, write_file_index
+
+    write_file_index(drafter_dir, json.loads((drafter_dir / INDEX_FILE).read_text())["step"])
+
+
 def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
     from eval.export import ExportError, run_export
 
@@ -114,6 +122,7 @@ def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     del cfg["eagle_config"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    reindex(ckpt)
     with pytest.raises(ExportError, match=r"(?s)aux_layer_ids.*99"):
         run_export(export_config(world, ckpt, tmp_path / "e"))
 
@@ -142,6 +151,7 @@ def test_export_refuses_non_finite_weights(pipeline, tmp_path):
     t = load_file(str(ckpt / "model.safetensors"))
     t["midlayer.mlp.up_proj.weight"][0, 0] = float("inf")
     save_file(t, str(ckpt / "model.safetensors"))
+    reindex(ckpt)
     with pytest.raises(ExportError, match=r"midlayer.mlp.up_proj.weight' has 1 non-finite"):
         run_export(export_config(pipeline, ckpt, tmp_path / "e"))
 
@@ -167,8 +177,8 @@ def test_training_refuses_an_inconsistent_vocab_mapping(pipeline, tmp_path):
     t2d[int((~t2d).nonzero()[0])] = True
     t["t2d"] = t2d
     save_file(t, str(vocab / "vocab.safetensors"))
-    # RELIABILITY.md F7: the message names the file but blames the init rather than the file's own mapping
-    with pytest.raises(Exception, match=r"d2t/t2d.*vocab.safetensors"):
+    # RELIABILITY.md F7 (fixed): the file's own mapping is checked and blamed
+    with pytest.raises(Exception, match=r"vocab.safetensors: its d2t/t2d mapping is inconsistent"):
         run_train(train_config({**pipeline, "vocab": vocab}, tmp_path / "t"))
     assert not (tmp_path / "t" / "checkpoints").exists() or not list((tmp_path / "t" / "checkpoints").iterdir())
 

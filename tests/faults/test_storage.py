@@ -218,8 +218,10 @@ def test_disk_full_during_a_training_checkpoint_loses_nothing_finished(pipeline,
     ref = run_train(train_config(pipeline, tmp_path / "ref", max_steps=6))
     state = sorted((Path(ref) / "checkpoints").iterdir())[0] / "training_state.pt"
     out = tmp_path / "full"
-    # torch.save reports the failed write as a RuntimeError (RELIABILITY.md F4: the message names no file)
-    with file_size_limit(state.stat().st_size // 2), pytest.raises((OSError, RuntimeError)):
+    from train.checkpoint import CheckpointError
+
+    # RELIABILITY.md F4 (fixed): the failed write is named, with its likely cause
+    with file_size_limit(state.stat().st_size // 2), pytest.raises(CheckpointError, match=r"step-\d+.*disk full"):
         run_train(train_config(pipeline, out, max_steps=6))
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == []
     assert not (out / "final").exists()
