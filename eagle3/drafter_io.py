@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.manifest import atomic_write_bytes
 from eagle3.model import DrafterConfig, Eagle3Drafter, vocab_mapping_problems
 
 log = logging.getLogger(__name__)
@@ -223,22 +224,8 @@ def save_drafter_dir(model: Eagle3Drafter, out_dir: str | Path, dtype: str | tor
     stale_index = out_dir / INDEX  # a previous sharded save would shadow the new single file
     if stale_index.exists():
         stale_index.unlink()
-    _atomic_write_text(out_dir / CONFIG, json.dumps(hf, indent=2) + "\n")
+    atomic_write_bytes(out_dir / CONFIG, (json.dumps(hf, indent=2) + "\n").encode())
     return out_dir
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---------------------------------------------------------------- compatibility with a target

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+from eagle3.manifest import atomic_write_bytes
 from safetensors import safe_open
 
 STORE_FORMAT = "eagle3-hidden-state-store"
@@ -55,22 +57,8 @@ class NonFiniteHiddenStateError(ValueError):
         self.seq_id = seq_id
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
