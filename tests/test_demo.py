@@ -36,3 +36,18 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     rerun = json.loads((Path(again) / "report.json").read_text())
     assert rerun["rows"] == report["rows"]
     assert rerun["total_seconds"] < report["total_seconds"]
+
+
+def test_pick_best_prefers_the_real_loop_and_breaks_ties_by_accuracy():
+    from eval.demo import pick_best
+
+    def rep(sim, real, acc):
+        return {"accept": {"2/1/3": {"drafter": {"accept_length": sim}}},
+                "real_loop": {"knobs": {"2/1/3": {"real_accept_length": real}}} if real is not None else {},
+                "accuracy": {"step_accuracy": acc}}
+
+    # equal simulated values (a short replay): the real loop decides
+    assert pick_best({"a": rep(1.1, 1.5, [0.9]), "b": rep(1.1, 2.1, [0.1])}, "2/1/3") == "b"
+    # no real loop: the simulated value decides, then accuracy
+    assert pick_best({"a": rep(1.3, None, [0.1]), "b": rep(1.2, None, [0.9])}, "2/1/3") == "a"
+    assert pick_best({"a": rep(1.2, None, [0.1]), "b": rep(1.2, None, [0.9])}, "2/1/3") == "b"
