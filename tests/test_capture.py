@@ -17,15 +17,6 @@ from eagle3.store import HiddenStateStore
 LAYOUT = {"k25": "kimi_k25", "k2": "causal_lm"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is faster, and far faster on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def targets(tiny_k25_target, tiny_k2_target):
     return {"k25": tiny_k25_target, "k2": tiny_k2_target}

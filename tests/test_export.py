@@ -16,15 +16,6 @@ from eval.export_roundtrip import drafter_logits, round_weights_, validation_bat
 from test_export_world import build_world, tiny_drafter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is faster, and far faster on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_k25_target):
     return build_world(tmp_path_factory.mktemp("export_world"), tiny_k25_target)

@@ -18,15 +18,6 @@ from test_train_world import overrides, write_world
 from train.loop import run_train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2 shared cores: torch's default 2 threads spin against each other (x40 slower on tiny ops).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="session")
 def world(tmp_path_factory, tiny_k25_target):
     return write_world(tmp_path_factory.mktemp("train_world"), tiny_k25_target)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import eagle3.unroll
 from eagle3.store import HiddenStateWriter
-from test_train import config_for, one_thread, world  # noqa: F401  (fixtures)
+from test_train import config_for, world  # noqa: F401  (fixtures)
 from train.inputs import TrainInputError
 from train.loop import NonFiniteLossError, run_train
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3 import REPO_ROOT
-from test_train import config_for, one_thread, rows, world  # noqa: F401  (fixtures)
+from test_train import config_for, rows, world  # noqa: F401  (fixtures)
 from test_train_world import overrides
 from train.checkpoint import CheckpointError
 from train.loop import run_train

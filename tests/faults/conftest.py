@@ -13,15 +13,6 @@ import torch
 from fault_helpers import export_config, train_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread is far faster than two spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="session")
 def pipeline(tmp_path_factory, tiny_k25_target):
     """{capture, vocab, target, old_drafter, train_out, final, export}: a finished tiny pipeline.
