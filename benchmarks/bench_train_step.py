@@ -50,6 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--no-autocast", action="store_true", help="fp32 compute on CUDA too")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="for the MFU column (H200 bf16 dense)")
+    p.add_argument("--impls", default="fast,reference",
+                   help="objective implementations to time, comma-separated (eagle3.unroll.TTTObjective impl)")
+    p.add_argument("--compile", action="store_true", help="fast path with torch.compile'd memory-bound pieces")
+    p.add_argument("--check-seq-len", type=int, default=1024,
+                   help="T of the fast-vs-reference loss/gradient check (0 = skip)")
+    p.add_argument("--profile-seq-len", type=int, default=0, help="profile one fast step at this T (0 = no)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -138,51 +144,138 @@ def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool,
     return {k: statistics.median(v) for k, v in phases.items()} | {"loss": float(loss.detach())}
 
 
+ANCHOR = {2048: 8132, 4096: 9050, 8192: 9577}  # SpecForge 0.2.0 tokens/s on one H200 (issue 9)
+
+
+def grad_check(objective, rows, batch, params, amp) -> dict:
+    """Fast vs reference on one batch, each against an fp32 run of the reference (the truth):
+    relative difference of the loss and of every gradient (L2 norm of the difference over the
+    truth's L2 norm). Under bf16 both paths carry rounding noise; the fast path passes when its
+    error is within 1.5x the reference's own (or 1e-3 absolute)."""
+    runs = {}
+    for name, impl, ctx in (("truth", "reference", torch.autocast("cuda", enabled=False)),
+                            ("reference", "reference", amp), ("fast", "fast", amp)):
+        objective.impl = impl
+        for p in params:
+            p.grad = None
+        with ctx:
+            out = objective(batch, rows)
+        out.loss.backward()
+        runs[name] = (float(out.loss.detach()), out.step_acc.tolist(), [p.grad.detach().float().clone() for p in params])
+    for p in params:
+        p.grad = None
+    names = [n for n, p in objective.named_parameters() if p.requires_grad]
+    loss_t, _, g_t = runs["truth"]
+
+    def errors(name):
+        loss, acc, g = runs[name]
+        return {"loss": loss, "loss_rel_err": abs(loss - loss_t) / abs(loss_t), "acc": acc,
+                "grad_rel_err": {n: float((a - b).norm() / b.norm().clamp(min=1e-30)) for n, a, b in zip(names, g, g_t)}}
+
+    ref, fast = errors("reference"), errors("fast")
+    worse = {n: (fast["grad_rel_err"][n], ref["grad_rel_err"][n]) for n in names
+             if not fast["grad_rel_err"][n] <= max(1.5 * ref["grad_rel_err"][n], 1e-3)}
+    return {"truth_loss": loss_t, "reference": ref, "fast": fast, "worse_than_reference": worse}
+
+
+def profile_step(objective, rows, batch, amp, top: int = 30) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    objective.impl = "fast"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with amp:
+            out = objective(batch, rows)
+        out.loss.backward()
+        torch.cuda.synchronize()
+    for p in objective.parameters():
+        p.grad = None
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     autocast = device.type == "cuda" and not args.no_autocast
+    amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     objective, rows, draft_ids = build(args.dims, args.ttt, device, bf16=autocast)
+    objective.compile = args.compile
     params = [p for p in objective.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
     n_train = sum(p.numel() for p in params)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"autocast bf16: {autocast}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, loss share {args.mask_frac}, "
-          f"trainable params {n_train / 1e6:.1f}M")
-    results = []
-    header = f"{'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9}"
-    print(header)
-    for T in args.seq_lens:
-        batch = make_batch(args.dims, args.batch, T, draft_ids, device, mask_frac=args.mask_frac)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            r = bench_one(objective, rows, batch, optimizer, params, device, autocast, args.iters, args.warmup)
-        except torch.cuda.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            print(f"{T:>6} OOM")
-            results.append({"T": T, "oom": True})
-            continue
-        tokens = args.batch * T
-        tflops = step_flops(args.dims, T, args.ttt, args.batch) / r["step"] / 1e12
-        row = {"T": T, **{f"{k}_s": round(v, 5) for k, v in r.items() if k != "loss"}, "loss": r["loss"],
-               "tokens_per_s": round(tokens / r["step"], 1), "model_tflops": round(tflops, 2),
-               "mfu": round(tflops / args.peak_tflops, 4) if device.type == "cuda" else None}
-        if device.type == "cuda":
-            row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-        results.append(row)
-        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-        print(f"{T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
-              f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} {row.get('peak_alloc_gib', '-'):>10} "
-              f"{row.get('peak_reserved_gib', '-'):>9}")
+          f"torch {torch.__version__}, autocast bf16: {autocast}, compile: {args.compile}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
+          f"loss share {args.mask_frac}, trainable params {n_train / 1e6:.1f}M", flush=True)
+    check, failure = None, None
+    if args.check_seq_len:
+        batch = make_batch(args.dims, args.batch, args.check_seq_len, draft_ids, device, mask_frac=args.mask_frac)
+        check = grad_check(objective, rows, batch, params, amp)
+        ref, fast = check["reference"], check["fast"]
+        print(f"check at T={args.check_seq_len} against fp32: loss {check['truth_loss']:.6f}; rel error reference "
+              f"{ref['loss_rel_err']:.2e} / fast {fast['loss_rel_err']:.2e}; worst gradient rel error reference "
+              f"{max(ref['grad_rel_err'].values()):.2e} / fast {max(fast['grad_rel_err'].values()):.2e}", flush=True)
+        for n in ref["grad_rel_err"]:
+            print(f"  {n:55s} reference {ref['grad_rel_err'][n]:.3e}  fast {fast['grad_rel_err'][n]:.3e}")
+        if check["worse_than_reference"] or not fast["loss_rel_err"] <= max(1.5 * ref["loss_rel_err"], 1e-4):
+            failure = (f"fast path less accurate than the reference: {check['worse_than_reference']}, loss "
+                             f"{fast['loss_rel_err']:.2e} vs {ref['loss_rel_err']:.2e}")
         del batch
+    if args.profile_seq_len and device.type == "cuda":
+        batch = make_batch(args.dims, args.batch, args.profile_seq_len, draft_ids, device, mask_frac=args.mask_frac)
+        with amp:  # warm-up
+            objective.impl = "fast"
+            objective(batch, rows).loss.backward()
+        print(profile_step(objective, rows, batch, amp), flush=True)
+        del batch
+    results = []
+    header = (f"{'impl':>9} {'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+              f"{'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9} {'vs anchor':>9}")
+    print(header)
+    for impl in [x for x in args.impls.split(",") if x]:
+        objective.impl = impl
+        for T in args.seq_lens:
+            batch = make_batch(args.dims, args.batch, T, draft_ids, device, mask_frac=args.mask_frac)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                r = bench_one(objective, rows, batch, optimizer, params, device, autocast, args.iters, args.warmup)
+            except torch.cuda.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                print(f"{impl:>9} {T:>6} OOM", flush=True)
+                results.append({"impl": impl, "T": T, "oom": True})
+                continue
+            tokens = args.batch * T
+            tflops = step_flops(args.dims, T, args.ttt, args.batch) / r["step"] / 1e12
+            row = {"impl": impl, "T": T, **{f"{k}_s": round(v, 5) for k, v in r.items() if k != "loss"}, "loss": r["loss"],
+                   "tokens_per_s": round(tokens / r["step"], 1), "model_tflops": round(tflops, 2),
+                   "mfu": round(tflops / args.peak_tflops, 4) if device.type == "cuda" else None}
+            if device.type == "cuda":
+                row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            anchor = ANCHOR.get(T) if args.dims == K2 and args.batch == 1 and args.ttt == 7 else None
+            row["vs_anchor"] = round(row["tokens_per_s"] / anchor, 3) if anchor else None
+            results.append(row)
+            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+            va = f"{row['vs_anchor']:.2f}x" if row["vs_anchor"] else "-"
+            print(f"{impl:>9} {T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
+                  f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} {row.get('peak_alloc_gib', '-'):>10} "
+                  f"{row.get('peak_reserved_gib', '-'):>9} {va:>9}", flush=True)
+            del batch
+    speedups = {}
+    for row in results:
+        if row.get("impl") == "fast" and "tokens_per_s" in row:
+            ref = next((r for r in results if r.get("impl") == "reference" and r["T"] == row["T"] and "tokens_per_s" in r), None)
+            if ref:
+                speedups[row["T"]] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
+    if speedups:
+        print("fast / reference tokens/s: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in speedups.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
-                                               "mask_frac": args.mask_frac,
-                                               "device": str(device), "results": results}, indent=2))
+                                               "mask_frac": args.mask_frac, "device": str(device), "check": check,
+                                               "speedups": speedups, "results": results}, indent=2))
+    if failure:
+        raise SystemExit(failure)
     return results
 
 

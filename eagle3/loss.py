@@ -34,8 +34,26 @@ def teacher_logits(last: torch.Tensor, lm_head_rows: torch.Tensor) -> torch.Tens
         raise ValueError(f"teacher_logits: hidden size of `last` ({last.shape[-1]}) != lm_head rows "
                          f"width ({lm_head_rows.shape[-1]})")
     # fp32 even inside a bf16 autocast region (the teacher's distribution is the reference).
-    with torch.autocast(device_type=last.device.type, enabled=False):
+    # TF32 tensor cores are exact here when both inputs are bf16/fp16 (their mantissas fit TF32's
+    # 10 bits, products are exact and accumulation is fp32): ~8x faster than plain fp32 on a GPU.
+    lossless_tf32 = last.is_cuda and {last.dtype, lm_head_rows.dtype} <= {torch.bfloat16, torch.float16}
+    with torch.autocast(device_type=last.device.type, enabled=False), _tf32_matmul(lossless_tf32):
         return torch.matmul(last.float(), lm_head_rows.float().t())
+
+
+class _tf32_matmul:
+    """Context: allow TF32 in CUDA matmuls (when `enabled`), restoring the previous setting."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        if self.enabled:
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
 
 
 def soft_cross_entropy(draft_logits: torch.Tensor, teacher_logits: torch.Tensor,

@@ -123,14 +123,35 @@ class TTTObjective(nn.Module):
     `forward` (they only sync/unshard around `forward`, not around `project_aux`/`step`).
     Holds no state of its own; `lm_head_rows` is passed in (frozen teacher rows, not trained)."""
 
-    def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8):
+    IMPLS = ("auto", "fast", "reference")
+
+    def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8, impl: str = "auto",
+                 compile: bool = False):
+        """impl: "reference" = `ttt_unroll` (the drafter stepped as at inference); "fast" =
+        `eagle3.fast_unroll.ttt_unroll_fast` (same function, flash attention + shared embedding
+        projections + fused loss); "auto" = fast on CUDA, reference elsewhere.
+        compile: the fast path's memory-bound pieces through torch.compile (eagle3/fast_kernels.py)."""
         super().__init__()
+        if impl not in self.IMPLS:
+            raise ValueError(f"TTTObjective impl={impl!r}: expected one of {self.IMPLS}")
         self.drafter = drafter
         self.ttt_length = ttt_length
         self.step_decay = step_decay
+        self.impl = impl
+        self.compile = compile
+
+    def resolved_impl(self, batch: dict) -> str:
+        if self.impl != "auto":
+            return self.impl
+        fast = batch["input_ids"].is_cuda and batch.get("attention_mask") is None
+        return "fast" if fast else "reference"
 
     def forward(self, batch: dict, lm_head_rows: torch.Tensor,
                 step_denominators: Optional[torch.Tensor] = None) -> UnrollOutput:
-        return ttt_unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
-                          batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
-                          attention_mask=batch.get("attention_mask"), step_denominators=step_denominators)
+        unroll, extra = ttt_unroll, {}
+        if self.resolved_impl(batch) == "fast":
+            from eagle3.fast_unroll import ttt_unroll_fast as unroll
+            extra = {"compiled": self.compile}
+        return unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
+                      batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
+                      attention_mask=batch.get("attention_mask"), step_denominators=step_denominators, **extra)

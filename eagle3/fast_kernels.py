@@ -1,0 +1,128 @@
+"""The pure pieces of one fast TTT step, written so `torch.compile` can fuse them.
+
+Between the big matmuls a drafter step is a chain of small memory-bound ops (RMSNorm in fp32,
+casts, rope, residual adds, SiLU*up, the diagonal merge of the TTT attention). Eagerly each is a
+separate pass over a [T, 7168] or [T, 64, 128] tensor, and at Kimi dimensions they cost a third of
+the step. Each function here is exactly the eager math (same casts, same order); `kernel(name,
+compiled)` returns it as is or compiled by Inductor (dynamic shapes: one graph for every T), which
+fuses the elementwise chains into the matmuls' prologues/epilogues or into single kernels.
+
+Shapes: B batch, T positions, h query heads, hkv KV heads, d head dim, H hidden, I MLP width.
+Imports only torch (core code).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """eagle3.model.RMSNorm then a cast to the matmul dtype: weight * normalise_fp32(x).to(x.dtype)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)).to(out_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight: torch.Tensor,
+                     w_qkv_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                     heads: int, kv_heads: int, head_dim: int):
+    """q/k/v of one step: hidden [B,T,H] -> hidden_norm -> the hidden half of q/k/v plus the
+    precomputed embedding half qkv_embed [B,T,(h+2hkv)d]; rope with cos/sin [B,T,1,d].
+    Returns q [B,T,h,d], k, v [B,T,hkv,d] (sequence-major, the layout flash kernels keep)."""
+    B, T, _ = hidden.shape
+    x = rms_norm(hidden, norm_weight, eps, w_qkv_hidden.dtype)
+    qkv = F.linear(x, w_qkv_hidden) + qkv_embed
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    q = qkv[..., :q_end].view(B, T, heads, head_dim)
+    k = qkv[..., q_end:k_end].view(B, T, kv_heads, head_dim)
+    v = qkv[..., k_end:].view(B, T, kv_heads, head_dim)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def attention_output_and_mlp(attn: torch.Tensor, hidden: torch.Tensor, w_o: torch.Tensor,
+                             post_norm_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+    """attn [B,T,h,d] -> o_proj + residual -> post_attention_layernorm -> SwiGLU MLP + residual:
+    the step's pre-norm output [B,T,H]."""
+    B, T, _ = hidden.shape
+    h1 = hidden + F.linear(attn.reshape(B, T, -1), w_o)
+    gate, up = F.linear(rms_norm(h1, post_norm_weight, eps, w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
+    return h1 + F.linear(F.silu(gate) * up, w_down)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def diagonal_merge_forward(q: torch.Tensor, o0: torch.Tensor, lse0: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge causal block 0 (o0 [B,T,h,d], lse0 [B,T,h]) with the per-position keys/values of the
+    later steps, keys/values [S,B,T,h,d]: returns (out [B,T,h,d] in o0's dtype, lse [B,T,h] fp32 or
+    wider). lse = logsumexp(lse0, s_1..s_S), s_j = q.k_j * scale;
+    out = e^(lse0-lse) o0 + sum_j e^(s_j-lse) v_j."""
+    acc = _acc(q.dtype)
+    s = (q.to(acc)[None] * keys.to(acc)).sum(-1) * scale               # [S,B,T,h]
+    lse0 = lse0.to(acc)
+    lse = torch.logsumexp(torch.cat([lse0[None], s]), dim=0)
+    out = torch.exp(lse0 - lse)[..., None] * o0.to(acc)
+    out = out + (torch.exp(s - lse)[..., None] * values.to(acc)).sum(0)
+    return out.to(o0.dtype), lse
+
+
+def diagonal_merge_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            dq_block0: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """Gradients of the diagonal terms given the merged out / lse (eagle3/ttt_flash.py), all
+    [B,T,h,d] / [B,T,h] / [S,B,T,h,d]: returns (dq = dq_block0 + sum_j ds_j k_j scale,
+    dkeys [S,...], dvalues [S,...]) in the inputs' dtypes."""
+    acc = _acc(q.dtype)
+    do = dout.to(acc)
+    qf = q.to(acc)
+    kf = keys.to(acc)
+    D = (do * out.to(acc)).sum(-1)                                       # [B,T,h]
+    p = torch.exp((qf[None] * kf).sum(-1) * scale - lse)                 # [S,B,T,h]
+    dvalues = (p[..., None] * do).to(values.dtype)
+    ds = p * ((do[None] * values.to(acc)).sum(-1) - D) * scale
+    dq = dq_block0.to(acc) + (ds[..., None] * kf).sum(0)
+    dkeys = (ds[..., None] * qf).to(keys.dtype)
+    return dq.to(q.dtype), dkeys, dvalues
+
+
+def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch.Tensor):
+    """One chunk of eagle3/fused_ce.py: logits [n,V] (compute dtype), teacher_probs fp32 [M,V],
+    rows Long [n]. Returns (summed soft CE, dloss/dlogits [n,V] in logits' dtype, argmax Long [n])."""
+    acc = _acc(logits.dtype)
+    lf = logits.to(acc)
+    p = teacher_probs[rows].to(acc)
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    loss = (p * (lse - lf)).sum()
+    g = torch.exp(lf - lse) * p.sum(-1, keepdim=True) - p
+    return loss, g.to(logits.dtype), lf.argmax(dim=-1)
+
+
+_FUNCTIONS: dict[str, Callable] = {
+    "attention_inputs": attention_inputs,
+    "attention_output_and_mlp": attention_output_and_mlp,
+    "diagonal_merge_forward": diagonal_merge_forward,
+    "diagonal_merge_backward": diagonal_merge_backward,
+    "soft_ce_chunk": soft_ce_chunk,
+}
+_COMPILED: dict[str, Callable] = {}
+
+
+def kernel(name: str, compiled: bool) -> Callable:
+    """The function `name`, eager or compiled with Inductor (compiled once per process)."""
+    fn = _FUNCTIONS[name]
+    if not compiled:
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]

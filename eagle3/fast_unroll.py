@@ -1,0 +1,153 @@
+"""The TTT unroll, fast: the same function as `eagle3.unroll.ttt_unroll`, computed with less work.
+
+What differs from the reference unroll (which steps the drafter module as inference does):
+  * Attention: step 0 is one causal flash call; steps 1..6 are a causal flash call over the step-0
+    keys merged by log-sum-exp with the per-position diagonal keys (eagle3/ttt_flash.py): no
+    T x T score matrix, no mask, and the attention FLOPs of a causal call per step.
+  * The embedding half of q/k/v is computed once per batch. The layer's q/k/v read
+    [input_layernorm(embed(x_{t+k+1})), hidden_norm(h_t)]; the first half at step k is step 0's
+    shifted by k positions, so `W[:, :H] @ e` is one matmul over T + K - 1 positions (and one
+    weight-gradient matmul over the summed shifted gradients) instead of K of each. This removes
+    about 17% of the FLOPs of a Kimi-sized step.
+  * q/k/v (hidden half) and gate/up are single matmuls over concatenated weights, cast to the
+    compute dtype once per batch instead of once per use.
+  * The loss is a chunked fused linear soft cross-entropy (eagle3/fused_ce.py): no fp32 logits
+    are kept for backward.
+The module's parameters are used as they are (SGLang names): nothing about the checkpoint changes.
+tests/test_fast_unroll.py checks loss, per-step counts/accuracy and every gradient against
+`ttt_unroll`; benchmarks/bench_train_step.py measures both in one process.
+
+Imports only torch (core code).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.fused_ce import linear_soft_cross_entropy
+from eagle3.loss import loss_positions, step_weights, teacher_logits
+from eagle3.fast_kernels import kernel, rms_norm
+from eagle3.model import rope_inv_freq
+from eagle3.ttt import TTTCache
+from eagle3.ttt_flash import DiagonalKeys, causal_plus_diagonal_attention, flash_supported
+from eagle3.unroll import UnrollOutput
+
+
+def compute_dtype(reference: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: the autocast dtype where autocast is on for this device, else the weights'."""
+    dev = reference.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return reference.dtype
+
+
+class _Weights:
+    """The layer's weights in compute dtype, split and concatenated for the fast step (per batch)."""
+
+    def __init__(self, model: nn.Module, dt: torch.dtype):
+        layer = model.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
+        H = model.config.hidden_size
+        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        self.qkv_embed = torch.cat([w[:, :H].to(dt) for w in qkv])    # [(h+2hkv)d, H]
+        self.qkv_hidden = torch.cat([w[:, H:].to(dt) for w in qkv])   # [(h+2hkv)d, H]
+        self.o = attn.o_proj.weight.to(dt)                             # [H, h d]
+        self.gate_up = torch.cat([mlp.gate_proj.weight.to(dt), mlp.up_proj.weight.to(dt)])  # [2I, H]
+        self.down = mlp.down_proj.weight.to(dt)                        # [H, I]
+        self.lm_head = model.lm_head.weight.to(dt)                     # [draft_V, H]
+
+
+def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
+                    target_argmax: torch.Tensor, loss_mask: torch.Tensor, lm_head_rows: torch.Tensor,
+                    ttt_length: int = 7, *, step_decay: float = 0.8,
+                    attention_mask: Optional[torch.Tensor] = None,
+                    position_ids: Optional[torch.Tensor] = None,
+                    step_denominators: Optional[torch.Tensor] = None,
+                    ce_chunk_rows: int = 4096, compiled: bool = False) -> UnrollOutput:
+    """Same arguments and result as `eagle3.unroll.ttt_unroll` (see there). Right-padded batches
+    only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).
+    compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py)."""
+    B, T = input_ids.shape
+    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
+            or loss_mask.shape != (B, T):
+        raise ValueError(f"ttt_unroll_fast: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
+                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
+                         f"loss_mask {tuple(loss_mask.shape)}")
+    if attention_mask is not None:
+        raise ValueError("ttt_unroll_fast takes right-padded batches only (attention_mask=None); use ttt_unroll "
+                         "for left padding")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
+    cfg = model.config
+    K, H = ttt_length, cfg.hidden_size
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    device = input_ids.device
+    d2t, t2d = model.d2t, model.t2d
+    if position_ids is None:
+        position_ids = torch.arange(T, device=device).expand(B, T)
+    weights = step_weights(K, step_decay).to(device)
+
+    with torch.no_grad():
+        masks = [loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)]
+        count = torch.stack([m.sum() for m in masks]).to(torch.float32)
+        denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
+        scales = weights / denom.clamp(min=1)
+        teacher_at = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1)
+        flat = teacher_at.nonzero().squeeze(1)
+        teacher_p = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)  # fp32 [M, V]
+        row_of = torch.full((B * T,), -1, dtype=torch.long, device=device)
+        row_of[flat] = torch.arange(flat.numel(), device=device)
+        argmax_flat = target_argmax.reshape(-1).long()
+        # x_{t+k+1} for k = 0..K-1 at t = 0..T-1 as one strip of T + K - 1 ids (0 past the end).
+        ids_strip = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, K)], dim=1)  # [B, T+K-1]
+        inv_freq = rope_inv_freq(cfg, device)
+
+    hidden = model.project_aux(aux)                                        # [B, T, H]
+    dt = compute_dtype(hidden) if hidden.is_floating_point() else hidden.dtype
+    w = _Weights(model, dt)
+    layer = model.midlayer
+    embeds = model.embed_tokens(ids_strip).to(hidden.dtype)
+    e_norm = rms_norm(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, dt)
+    qkv_embed = F.linear(e_norm, w.qkv_embed)                              # [B, T+K-1, (h+2hkv)d]
+    scale = 1.0 / math.sqrt(d)
+    k0 = v0 = diagonal = None
+    fallback = TTTCache()
+    sums, corrects = [], []
+    pre, post = kernel("attention_inputs", compiled), kernel("attention_output_and_mlp", compiled)
+    for k in range(K):
+        freqs = (position_ids + k).to(torch.float32)[..., None] * inv_freq   # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                  # [B, T, 1, d]
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        q, key, val = pre(hidden, qkv_embed[:, k:k + T], layer.hidden_norm.weight, w.qkv_hidden, cos, sin,
+                          layer.hidden_norm.eps, h, hkv, d)                   # [B, T, h|hkv, d]
+        if not flash_supported(q):  # e.g. fp32 on CUDA: the reference attention, the rest stays fast
+            attn = fallback.attend(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2)).transpose(1, 2)
+        else:
+            if hkv != h:
+                key, val = key.repeat_interleave(h // hkv, dim=2), val.repeat_interleave(h // hkv, dim=2)
+            if k == 0:
+                k0, v0 = key, val
+                attn = F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2),
+                                                      is_causal=True, scale=scale).transpose(1, 2)
+                diagonal = DiagonalKeys(K - 1, q)
+            else:
+                diagonal.append(key, val)
+                attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled)
+        prenorm = post(attn, hidden, w.o, layer.post_attention_layernorm.weight, w.gate_up, w.down,
+                       layer.post_attention_layernorm.eps)                    # [B, T, H]
+        with torch.no_grad():
+            b_idx, t_idx = masks[k].nonzero(as_tuple=True)
+            src = b_idx * T + t_idx + (k + 1)
+        x = rms_norm(prenorm[b_idx, t_idx], model.norm.weight, model.norm.eps, dt)  # [N, H]
+        loss_k, top = linear_soft_cross_entropy(x, w.lm_head, teacher_p, row_of[src], ce_chunk_rows, compiled)
+        sums.append(loss_k)
+        with torch.no_grad():
+            corrects.append(((top + d2t[top]) == argmax_flat[src]).sum().to(torch.float32))
+        hidden = prenorm
+    loss_sum = torch.stack(sums)
+    loss = (scales * loss_sum).sum()
+    return UnrollOutput(loss=loss, loss_sum=loss_sum.detach(), correct=torch.stack(corrects), count=count)

@@ -1,0 +1,64 @@
+"""Linear layer + soft cross-entropy fused and chunked: the drafter's lm_head and its loss in one
+autograd node that never keeps a [N, draft_V] fp32 tensor alive.
+
+loss = sum_n -sum_v p[n, v] log softmax(x[n] @ W^T)_v, with p = teacher_probs[rows[n]].
+Since the loss is a plain sum, its gradients are known in the forward pass:
+  dlogits = softmax(logits) * sum_v p - p,   dx = dlogits @ W,   dW = dlogits^T @ x,
+so the forward walks the rows in chunks (logits of one chunk at a time, fp32), accumulates dW in
+fp32, and keeps only dx (x's dtype) and dW for the backward, which scales them by the incoming
+gradient. Numerics match `eagle3.loss.soft_cross_entropy_rows(x @ W^T, p)`: the logits are rounded
+to x's dtype first (what a bf16 lm_head produces), then everything is fp32.
+
+Imports only torch (core code).
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle3.fast_kernels import kernel
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, teacher_probs, rows, chunk_rows: int, compiled: bool):
+        N = x.shape[0]
+        acc = torch.promote_types(x.dtype, torch.float32)
+        loss = torch.zeros((), dtype=acc, device=x.device)
+        dx = torch.empty_like(x)
+        dw = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        top = torch.empty(N, dtype=torch.long, device=x.device)
+        chunk = kernel("soft_ce_chunk", compiled)
+        for start in range(0, N, chunk_rows):
+            xc = x[start:start + chunk_rows]
+            part, g, top[start:start + chunk_rows] = chunk(xc @ weight.t(), teacher_probs, rows[start:start + chunk_rows])
+            loss = loss + part
+            dx[start:start + chunk_rows] = g @ weight
+            dw += (g.t() @ xc).to(acc)
+        ctx.save_for_backward(dx, dw.to(weight.dtype))
+        ctx.mark_non_differentiable(top)
+        return loss, top
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_top):
+        dx, dw = ctx.saved_tensors
+        return dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype), None, None, None, None
+
+
+def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
+                              rows: torch.Tensor, chunk_rows: int = 4096,
+                              compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] (normalised hidden, compute dtype), weight [V, H] (same dtype), teacher_probs fp32
+    [M, V], rows Long [N] (teacher row of each x row). Returns (summed soft CE, fp32 or wider
+    scalar, differentiable in x and weight; argmax of the logits, Long [N]). compiled: the chunk's
+    elementwise math through torch.compile (eagle3/fast_kernels.soft_ce_chunk)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_soft_cross_entropy: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         f"must be [N, H] and [V, H]")
+    if teacher_probs.shape[-1] != weight.shape[0] or rows.shape != (x.shape[0],):
+        raise ValueError(f"linear_soft_cross_entropy: teacher probs {tuple(teacher_probs.shape)} / rows "
+                         f"{tuple(rows.shape)} do not fit x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear_soft_cross_entropy: x is {x.dtype}, weight {weight.dtype}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows}: must be >= 1")
+    return _LinearSoftCE.apply(x, weight, teacher_probs, rows, int(chunk_rows), bool(compiled))
