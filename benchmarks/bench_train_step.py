@@ -56,6 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--check-seq-len", type=int, default=1024,
                    help="T of the fast-vs-reference loss/gradient check (0 = skip)")
     p.add_argument("--profile-seq-len", type=int, default=0, help="profile one fast step at this T (0 = no)")
+    p.add_argument("--store-seq-lens", default="",
+                   help="also time the fast step fed from a real hidden-state store at these T (comma-separated): "
+                        "DataLoader workers + pinned memory + side-stream prefetch, as train/loop.py runs it")
+    p.add_argument("--store-steps", type=int, default=8, help="timed steps per store-fed T (after 2 warm-up steps)")
+    p.add_argument("--store-dir", default=None, help="where to write the benchmark store (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -178,7 +183,7 @@ def grad_check(objective, rows, batch, params, amp) -> dict:
     return {"truth_loss": loss_t, "reference": ref, "fast": fast, "worse_than_reference": worse}
 
 
-def profile_step(objective, rows, batch, amp, top: int = 30) -> str:
+def profile_step(objective, rows, batch, amp, top: int = 45) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     objective.impl = "fast"
@@ -189,7 +194,65 @@ def profile_step(objective, rows, batch, amp, top: int = 30) -> str:
         torch.cuda.synchronize()
     for p in objective.parameters():
         p.grad = None
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+
+
+def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tensor) -> Path:
+    """A real hidden-state store (eagle3.store) of n random sequences of T tokens at these dims."""
+    from eagle3.store import HiddenStateWriter
+
+    writer = HiddenStateWriter(out_dir, hidden_size=dims["hidden"], target_hidden_size=dims["hidden"],
+                               aux_layer_ids=[2, 30, 58], hf_indices=[3, 31, 59], shard_tokens=4 * T)
+    for i in range(n):
+        b = make_batch(dims, 1, T + i, draft_ids, "cpu")
+        b = {k: v[0, :T] for k, v in b.items()}
+        writer.add(f"seq-{i}", b["input_ids"], b["loss_mask"], b["aux"], b["last"], b["target_argmax"],
+                   check_finite=False)
+    writer.finish()
+    return out_dir
+
+
+def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir: Path, T: int, steps: int) -> dict:
+    """Steps fed by the training loop's own data path: train.data.make_loader (on a GPU: a reader
+    thread collating straight into pinned memory) -> train.prefetch.DevicePrefetcher (host-to-device
+    copy on a side stream). Also times the loader alone (batches/s it can deliver)."""
+    from eagle3.store import HiddenStateStore
+    from train.data import BatchStream, make_loader
+    from train.prefetch import DevicePrefetcher
+
+    store = HiddenStateStore(store_dir, verify="size")
+    stream = BatchStream(store.lengths, max_tokens=T, max_length=T, seed=0)
+    pin = device.type == "cuda"
+    alone = iter(make_loader(store, stream, 0, T, num_workers=4, pin_memory=pin))
+    next(alone)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        next(alone)
+    loader_alone = steps / (time.perf_counter() - t0)
+    if hasattr(alone, "close"):
+        alone.close()
+    loader = DevicePrefetcher(iter(make_loader(store, stream, 0, T, num_workers=4, pin_memory=pin)), device)
+    objective.impl = "fast"
+    times, waits = [], []
+    for i in range(steps + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        host, batch = next(loader)
+        t1 = time.perf_counter()
+        with amp:
+            out = objective(batch, rows)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+            waits.append(t1 - t0)
+    step = statistics.median(times)
+    return {"T": T, "step_s": round(step, 5), "tokens_per_s": round(T / step, 1),
+            "loader_wait_s": round(statistics.median(waits), 5), "loader_alone_batches_per_s": round(loader_alone, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None}
 
 
 def main(argv=None) -> list[dict]:
@@ -270,6 +333,27 @@ def main(argv=None) -> list[dict]:
                 speedups[row["T"]] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
     if speedups:
         print("fast / reference tokens/s: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in speedups.items()))
+    store_rows = []
+    for T in [int(x) for x in args.store_seq_lens.split(",") if x]:
+        import tempfile
+
+        root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-store-"))
+        t0 = time.perf_counter()
+        store_dir = write_store(root / f"T{T}", args.dims, T, 2 * args.store_steps + 4, draft_ids)
+        written = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        row = bench_from_store(objective, rows, optimizer, params, device, amp, store_dir, T, args.store_steps)
+        mem = next((r for r in results if r.get("impl") == "fast" and r["T"] == T and "tokens_per_s" in r), None)
+        row["vs_in_memory"] = round(row["tokens_per_s"] / mem["tokens_per_s"], 3) if mem else None
+        row["store_write_s"] = round(written, 1)
+        store_rows.append(row)
+        print(f"from the store (written in {written:.1f} s): T={T} step {row['step_s']:.4f} s, {row['tokens_per_s']:.0f} "
+              f"tok/s, {row['vs_in_memory']}x the in-memory figure, waiting for data {row['loader_wait_s']:.4f} s/step, "
+              f"loader alone {row['loader_alone_batches_per_s']} batches/s, peak reserved {row['peak_reserved_gib']} GiB",
+              flush=True)
+    results += [dict(r, impl="fast-from-store") for r in store_rows]
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
                                                "mask_frac": args.mask_frac, "device": str(device), "check": check,

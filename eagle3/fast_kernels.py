@@ -12,6 +12,7 @@ Imports only torch (core code).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -25,11 +26,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     return (weight * xf.to(x.dtype)).to(out_dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight: torch.Tensor,
                      w_qkv_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                      heads: int, kv_heads: int, head_dim: int):
@@ -39,13 +35,15 @@ def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight:
     B, T, _ = hidden.shape
     x = rms_norm(hidden, norm_weight, eps, w_qkv_hidden.dtype)
     qkv = F.linear(x, w_qkv_hidden) + qkv_embed
-    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
-    q = qkv[..., :q_end].view(B, T, heads, head_dim)
-    k = qkv[..., q_end:k_end].view(B, T, kv_heads, head_dim)
+    k_end = (heads + kv_heads) * head_dim
+    # rope on q and k together, as the two halves of each head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
+    # which is x * cos + rotate_half(x) * sin for cos/sin = cat(c, c) / cat(s, s)
+    qk = qkv[..., :k_end].view(B, T, heads + kv_heads, 2, head_dim // 2)
+    c, s = cos[..., : head_dim // 2].unsqueeze(-2), sin[..., : head_dim // 2].unsqueeze(-2)  # [B,T,1,1,d/2]
+    x1, x2 = qk[..., 0:1, :], qk[..., 1:2, :]
+    qk = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-2).view(B, T, heads + kv_heads, head_dim)
     v = qkv[..., k_end:].view(B, T, kv_heads, head_dim)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
+    return qk[:, :, :heads], qk[:, :, heads:], v
 
 
 def attention_output_and_mlp(attn: torch.Tensor, hidden: torch.Tensor, w_o: torch.Tensor,
@@ -119,10 +117,12 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def kernel(name: str, compiled: bool) -> Callable:
-    """The function `name`, eager or compiled with Inductor (compiled once per process)."""
+    """The function `name`, eager or compiled with Inductor (compiled once per process).
+    EAGLE3_COMPILE_DYNAMIC=0 compiles per shape instead of once for all T (benchmarks)."""
     fn = _FUNCTIONS[name]
     if not compiled:
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
+        dynamic = os.environ.get("EAGLE3_COMPILE_DYNAMIC", "1") != "0"
+        _COMPILED[name] = torch.compile(fn, dynamic=dynamic)
     return _COMPILED[name]

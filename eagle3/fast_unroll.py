@@ -106,8 +106,10 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
         ids_strip = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, K)], dim=1)  # [B, T+K-1]
         inv_freq = rope_inv_freq(cfg, device)
 
-    hidden = model.project_aux(aux)                                        # [B, T, H]
-    dt = compute_dtype(hidden) if hidden.is_floating_point() else hidden.dtype
+    dt = compute_dtype(model.fc.weight)
+    if aux.shape[-1] != model.fc.in_features:
+        raise ValueError(f"aux width {aux.shape[-1]} != fc input {model.fc.in_features} (3 x target_hidden_size)")
+    hidden = F.linear(aux.to(dt), model.fc.weight.to(dt))                 # [B, T, H] (fc, in compute dtype)
     w = _Weights(model, dt)
     layer = model.midlayer
     embeds = model.embed_tokens(ids_strip).to(hidden.dtype)

@@ -7,7 +7,8 @@ Since the loss is a plain sum, its gradients are known in the forward pass:
 so the forward walks the rows in chunks (logits of one chunk at a time, fp32), accumulates dW in
 fp32, and keeps only dx (x's dtype) and dW for the backward, which scales them by the incoming
 gradient. Numerics match `eagle3.loss.soft_cross_entropy_rows(x @ W^T, p)`: the logits are rounded
-to x's dtype first (what a bf16 lm_head produces), then everything is fp32.
+to x's dtype first (what a bf16 lm_head produces), then everything is fp32 (fp64 inputs stay fp64,
+where soft_cross_entropy_rows drops to fp32). Without grad mode the gradient matmuls are skipped.
 
 Imports only torch (core code).
 """
@@ -20,20 +21,21 @@ from eagle3.fast_kernels import kernel
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, teacher_probs, rows, chunk_rows: int, compiled: bool):
+    def forward(ctx, x, weight, teacher_probs, rows, chunk_rows: int, compiled: bool, want_grad: bool):
         N = x.shape[0]
         acc = torch.promote_types(x.dtype, torch.float32)
         loss = torch.zeros((), dtype=acc, device=x.device)
-        dx = torch.empty_like(x)
-        dw = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        dx = torch.empty_like(x) if want_grad else x.new_zeros(())
+        dw = torch.zeros(weight.shape if want_grad else (), dtype=acc, device=x.device)
         top = torch.empty(N, dtype=torch.long, device=x.device)
         chunk = kernel("soft_ce_chunk", compiled)
         for start in range(0, N, chunk_rows):
             xc = x[start:start + chunk_rows]
             part, g, top[start:start + chunk_rows] = chunk(xc @ weight.t(), teacher_probs, rows[start:start + chunk_rows])
             loss = loss + part
-            dx[start:start + chunk_rows] = g @ weight
-            dw += (g.t() @ xc).to(acc)
+            if want_grad:  # validation (no grad) skips the two gradient matmuls
+                dx[start:start + chunk_rows] = g @ weight
+                dw += (g.t() @ xc).to(acc)
         ctx.save_for_backward(dx, dw.to(weight.dtype))
         ctx.mark_non_differentiable(top)
         return loss, top
@@ -41,7 +43,7 @@ class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_top):
         dx, dw = ctx.saved_tensors
-        return dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype), None, None, None, None
+        return dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype), None, None, None, None, None
 
 
 def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
@@ -59,6 +61,11 @@ def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, teacher_pro
                          f"{tuple(rows.shape)} do not fit x {tuple(x.shape)} and weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"linear_soft_cross_entropy: x is {x.dtype}, weight {weight.dtype}")
+    if not teacher_probs.is_floating_point() or teacher_probs.dtype.itemsize < 4 or rows.dtype != torch.long:
+        raise ValueError(f"linear_soft_cross_entropy: teacher probs must be fp32 or wider (got {teacher_probs.dtype}) "
+                         f"and rows Long (got {rows.dtype})")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows}: must be >= 1")
-    return _LinearSoftCE.apply(x, weight, teacher_probs, rows, int(chunk_rows), bool(compiled))
+    # grad mode is off inside Function.forward: decide here whether the gradient matmuls are needed
+    want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _LinearSoftCE.apply(x, weight, teacher_probs, rows, int(chunk_rows), bool(compiled), want_grad)

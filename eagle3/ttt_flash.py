@@ -66,6 +66,10 @@ class DiagonalKeys:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.n >= self.keys.shape[0]:
             raise ValueError(f"DiagonalKeys holds {self.keys.shape[0]} steps; step {self.n + 1} does not fit")
+        for name, x in (("key", k), ("value", v)):
+            if x.shape != self.keys.shape[1:] or x.dtype != self.keys.dtype:
+                raise ValueError(f"DiagonalKeys.append: {name} {tuple(x.shape)} {x.dtype} != the step-0 queries' "
+                                 f"{tuple(self.keys.shape[1:])} {self.keys.dtype}")
         with torch.no_grad():
             self.keys[self.n].copy_(k)
             self.values[self.n].copy_(v)
@@ -108,11 +112,11 @@ def causal_plus_diagonal_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.
     k0, v0 [B,T,h,d] (causal) and the own-position keys/values of the later steps held by
     `diagonal` (all appended so far). Grouped-query callers repeat k/v to h heads first.
     Returns [B,T,h,d] in q's dtype. compiled: the merge math through torch.compile."""
+    if diagonal.n == 0:
+        raise ValueError("causal_plus_diagonal_attention: no diagonal keys (step 0 is plain causal attention)")
     for name, x in (("k0", k0), ("v0", v0), ("diagonal keys", diagonal.keys[0])):
         if x.shape != q.shape:
             raise ValueError(f"causal_plus_diagonal_attention: {name} {tuple(x.shape)} != queries {tuple(q.shape)}")
-    if diagonal.n == 0:
-        raise ValueError("causal_plus_diagonal_attention: no diagonal keys (step 0 is plain causal attention)")
     if not flash_supported(q):
         raise ValueError(f"causal_plus_diagonal_attention: no flash kernel for {q.dtype} on {q.device}")
     n = diagonal.n

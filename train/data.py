@@ -14,8 +14,10 @@ epoch without end, and the loop takes `grad_accum` of them per optimizer step.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -113,21 +115,27 @@ class StoreSequences(torch.utils.data.Dataset):
         return {k: (v[:n] if torch.is_tensor(v) else v) for k, v in item.items()}
 
 
-def collate(items: list[dict]) -> dict:
+def collate(items: list[dict], pin_memory: bool = False) -> dict:
     """Right-pad a list of store items into a batch.
 
     Returns input_ids Long [B,T], loss_mask Bool [B,T] (False on padding), target_argmax Long [B,T],
     aux [B,T,3Ht] and last [B,T,H] in the store dtype (zeros on padding), lengths Long [B],
-    ids (list of sequence ids). Right padding needs no attention mask (see eagle3/unroll.py)."""
+    ids (list of sequence ids). Right padding needs no attention mask (see eagle3/unroll.py).
+    pin_memory: allocate the batch in page-locked memory (one copy from the store's memory map
+    straight into memory the GPU can read asynchronously)."""
     B = len(items)
     T = max(int(it["input_ids"].shape[0]) for it in items)
     first = items[0]
+
+    def buf(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, pin_memory=pin_memory)
+
     out = {
-        "input_ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "target_argmax": torch.zeros(B, T, dtype=torch.long),
-        "aux": torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
-        "last": torch.zeros(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
+        "input_ids": buf(B, T, dtype=torch.long),
+        "loss_mask": buf(B, T, dtype=torch.bool),
+        "target_argmax": buf(B, T, dtype=torch.long),
+        "aux": buf(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype),
+        "last": buf(B, T, first["last"].shape[-1], dtype=first["last"].dtype),
         "lengths": torch.zeros(B, dtype=torch.long),
         "ids": [it["id"] for it in items],
     }
@@ -136,6 +144,8 @@ def collate(items: list[dict]) -> dict:
         out["lengths"][b] = n
         for key in ("input_ids", "loss_mask", "target_argmax", "aux", "last"):
             out[key][b, :n] = it[key]
+            if n < T:
+                out[key][b, n:] = 0  # padding: zeros (False for the mask)
     return out
 
 
@@ -145,8 +155,16 @@ def batch_to_device(batch: dict, device: torch.device, non_blocking: bool = True
 
 def make_loader(store, stream: BatchStream, start: int, max_length: int, num_workers: int = 0,
                 pin_memory: bool = False):
-    """A DataLoader over the stream from micro-batch `start`; yields collated batches (workers
-    read and pad ahead of the GPU; with pin_memory the host-to-device copy can be asynchronous)."""
+    """Collated batches of the stream from micro-batch `start`, read ahead of the training step.
+
+    pin_memory (GPU): one background thread reads each batch from the store's memory map straight
+    into page-locked memory, `max(2, num_workers)` batches ahead: one copy per byte, no worker
+    processes (a DataLoader's workers would copy a 235 MB Kimi batch three more times: into
+    shared memory, out of it, and into pinned memory). Otherwise a DataLoader with `num_workers`."""
+    if pin_memory:
+        return BackgroundBatches(lambda idx: collate([StoreSequences(store, max_length)[i] for i in idx],
+                                                     pin_memory=True),
+                                 (b for _, b in stream.iterate(start)), depth=max(2, num_workers))
     batch_sampler = (b for _, b in stream.iterate(start))
     return torch.utils.data.DataLoader(StoreSequences(store, max_length), batch_sampler=_Iterable(batch_sampler),
                                        collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
@@ -162,3 +180,50 @@ class _Iterable:
 
     def __iter__(self):
         return self.gen
+
+
+class BackgroundBatches:
+    """Builds batches in a daemon thread, `depth` ahead (torch's copies release the GIL, so the
+    reads overlap the training step). An error in the thread is raised in the consumer."""
+
+    def __init__(self, make_batch: Callable[[list[int]], dict], plan: Iterator[list[int]], depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"BackgroundBatches depth={depth}: must be >= 1")
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(make_batch, plan), daemon=True,
+                                       name="eagle3-batches")
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, make_batch, plan) -> None:
+        try:
+            for idx in plan:
+                if not self._put(("batch", make_batch(idx))):
+                    return
+            self._put(("end", None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put(("error", e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        kind, value = self.queue.get()
+        if kind == "error":
+            raise value
+        if kind == "end":
+            raise StopIteration
+        return value
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)

@@ -31,12 +31,13 @@ from eagle3.conf import as_plain_dict
 from eagle3.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
-from train.data import BatchStream, batch_to_device, make_loader
+from train.data import BatchStream, make_loader
 from train.engine import (full_model_state, full_optimizer_state, load_optimizer_state, make_accelerator,
                           make_optimizer, make_scheduler, mixed_precision, uses_fsdp)
 from train.inputs import TrainInputError, open_inputs
 from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
+from train.prefetch import DevicePrefetcher
 from train.progress import StepStats, progress_bar
 from train.validate import run_validation, simulated_accept_length
 
@@ -114,7 +115,8 @@ def run_train(config) -> Path:
     if mixed_precision(config) == "bf16" and not fsdp:
         drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
 
-    objective = accelerator.prepare(TTTObjective(drafter, config.ttt_length, config.step_decay))
+    objective = accelerator.prepare(TTTObjective(drafter, config.ttt_length, config.step_decay,
+                                                 impl=config.unroll, compile=_use_compile(config, device)))
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = accelerator.prepare(make_optimizer(params, config.optim, device))
     stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length, config.seed,
@@ -169,8 +171,8 @@ def run_train(config) -> Path:
         if resume is None:
             first_val = validate(step)  # the init's own accuracy, the baseline the run must beat
         workers = config.data.num_workers if config.data.num_workers >= 0 else (4 if device.type == "cuda" else 0)
-        loader = iter(make_loader(inputs.train, stream, position, config.data.max_length, workers,
-                                  pin_memory=device.type == "cuda"))
+        loader = DevicePrefetcher(make_loader(inputs.train, stream, position, config.data.max_length, workers,
+                                              pin_memory=device.type == "cuda"), device)
         stats = StepStats(config.ttt_length, device, config.step_decay)
         bar = progress_bar(total, step, enabled=config.progress and main)
         objective.train()
@@ -180,14 +182,14 @@ def run_train(config) -> Path:
         while step < total:
             window = [next(loader) for _ in range(config.grad_accum)]
             position += len(window)
-            denom = sum(step_position_counts(mb["loss_mask"], mb["target_argmax"], t2d, config.ttt_length) for mb in window)
+            # (host batch, device batch) pairs: counts and id checks on the host copies, no device sync
+            denom = sum(step_position_counts(h["loss_mask"], h["target_argmax"], t2d, config.ttt_length) for h, _ in window)
             denom = accelerator.reduce(denom.to(device), reduction="sum")
             # accelerate divides by grad_accum and DDP averages over ranks: undo both, the loss is already global.
             scale = float(config.grad_accum * accelerator.num_processes)
             losses = []
-            for mb in window:
-                _check_ids(mb, vocab_size, inputs.train.dir, step + 1)
-                mb = batch_to_device(mb, device)
+            for host, mb in window:
+                _check_ids(host, vocab_size, inputs.train.dir, step + 1)
                 with accelerator.accumulate(objective):
                     try:
                         res = objective(mb, lm_head_rows, step_denominators=denom)
@@ -195,7 +197,7 @@ def run_train(config) -> Path:
                         raise TrainInputError(f"step {step + 1}: batch of sequences {mb['ids']}: {e}") from e
                     accelerator.backward(res.loss * scale)
                 losses.append(res.loss.detach())
-                stats.add_micro(res, mb)
+                stats.add_micro(res, host)
             grad_norm = accelerator.clip_grad_norm_(params, config.optim.grad_clip) if config.optim.grad_clip > 0 else \
                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
             # One small all-reduce per step: any rank non-finite, and the step's real tokens over all ranks.
@@ -203,7 +205,7 @@ def run_train(config) -> Path:
             flags = accelerator.reduce(torch.stack([bad, torch.tensor(float(stats.window_tokens()), device=device)]),
                                        reduction="sum")
             if bool(flags[0] > 0):
-                where = _nonfinite_report(step + 1, window, losses, grad_norm)
+                where = _nonfinite_report(step + 1, [h for h, _ in window], losses, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
                 if config.on_nonfinite == "stop":
                     raise NonFiniteLossError(f"{where}; stopped without writing a checkpoint (newest intact one in "
@@ -244,6 +246,12 @@ def run_train(config) -> Path:
         metrics.close()  # also on errors: the wandb run and metrics file are closed cleanly
     accelerator.wait_for_everyone()
     return out
+
+
+def _use_compile(config, device: torch.device) -> bool:
+    """compile=auto: on GPU only (Inductor's CPU compile takes minutes and the CPU path is small)."""
+    choice = str(config.compile).lower()
+    return device.type == "cuda" if choice == "auto" else choice == "true"
 
 
 def _wrapper_name(accelerator) -> str:

@@ -66,6 +66,10 @@ class WandbConf:
             raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
 
 
+UNROLLS = ("auto", "fast", "reference")
+COMPILE_CHOICES = ("auto", "true", "false")
+
+
 @dataclass
 class TrainConfig:
     paths: PathsConf
@@ -81,6 +85,8 @@ class TrainConfig:
     epochs: Optional[int] = 1
     grad_accum: int = 1                   # micro-batches per optimizer step (per rank)
     precision: str = "auto"               # auto: bf16 autocast on GPU, fp32 on CPU
+    unroll: str = "auto"                  # TTT unroll: fast (flash + fused, eagle3/fast_unroll.py) | reference | auto (fast on GPU)
+    compile: str = "auto"                 # torch.compile the fast unroll's memory-bound pieces: auto (on GPU) | true | false
     cpu: bool = False                     # force CPU even when a GPU is present
     fsdp: bool = False                    # shard params/grads/optimizer (drafter too big per GPU)
     log_every: int = 10
@@ -109,5 +115,9 @@ class TrainConfig:
             raise ConfigError("grad_accum, log_every, checkpoint_every must be >= 1; val_every >= 0")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
+        if self.unroll not in UNROLLS:
+            raise ConfigError(f"unroll={self.unroll!r}: expected one of {UNROLLS}")
+        if str(self.compile).lower() not in COMPILE_CHOICES:
+            raise ConfigError(f"compile={self.compile!r}: expected one of {COMPILE_CHOICES}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {NONFINITE_POLICIES}")
