@@ -1,0 +1,103 @@
+"""The training loop's fast path and data feed, on CPU: `unroll=fast` trains to the same numbers as
+`unroll=reference` through run_train (the CPU flash kernel stands in for CUDA's), the background
+batch reader and the device prefetcher hand out exactly the planned batches and surface errors,
+and the schema rejects unknown unroll / compile choices. GPU figures: BENCHMARKS.md (issue 9)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.conf import ConfigError
+from test_train import config_for, world  # noqa: F401  (session fixture)
+from train.data import BackgroundBatches, BatchStream, collate, make_loader
+from train.loop import _use_compile, run_train
+from train.prefetch import DevicePrefetcher
+
+
+def _train_rows(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_fast_unroll_trains_like_the_reference_through_run_train(world, tmp_path):  # noqa: F811
+    runs = {}
+    for impl in ("reference", "fast"):
+        out = tmp_path / impl
+        cfg = config_for(world, out, "scratch", max_steps=6, epochs="null", log_every=1, val_every=0,
+                         val_accept_sequences=0, unroll=impl, compile="false", **{"wandb.mode": "disabled"})
+        run_train(cfg)
+        runs[impl] = _train_rows(out)
+    ref, fast = runs["reference"], runs["fast"]
+    assert [r["step"] for r in ref] == [r["step"] for r in fast] == list(range(1, 7))
+    for a, b in zip(ref, fast):  # the same batches, the same updates: losses agree to fp32 rounding
+        assert b["loss_weighted"] == pytest.approx(a["loss_weighted"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert b["acc"] == pytest.approx(a["acc"], abs=1e-6)
+    assert ref[-1]["loss_weighted"] < ref[0]["loss_weighted"]  # it did train
+
+
+def test_schema_rejects_unknown_unroll_and_compile(world, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match="unroll"):
+        config_for(world, tmp_path, unroll="fastest")
+    with pytest.raises(ConfigError, match="compile"):
+        config_for(world, tmp_path, compile="maybe")
+
+
+def test_compile_auto_means_gpu_only(world, tmp_path):  # noqa: F811
+    cfg = config_for(world, tmp_path)
+    assert _use_compile(cfg, torch.device("cpu")) is False
+    assert _use_compile(cfg, torch.device("cuda")) is True
+    assert _use_compile(config_for(world, tmp_path, compile="false"), torch.device("cuda")) is False
+    assert _use_compile(config_for(world, tmp_path, compile="true"), torch.device("cpu")) is True
+
+
+def _item(i: int, n: int) -> dict:
+    return {"id": f"s{i}", "input_ids": torch.full((n,), i), "loss_mask": torch.ones(n, dtype=torch.bool),
+            "target_argmax": torch.full((n,), i + 1), "aux": torch.full((n, 6), float(i)), "last": torch.ones(n, 2)}
+
+
+def test_background_batches_yield_the_plan_in_order_then_stop():
+    plan = [[0, 1], [2], [3, 4, 5]]
+    batches = list(BackgroundBatches(lambda idx: collate([_item(i, 2 + i) for i in idx]), iter(plan), depth=2))
+    assert [b["ids"] for b in batches] == [["s0", "s1"], ["s2"], ["s3", "s4", "s5"]]
+    assert batches[2]["input_ids"].tolist() == [[3] * 5 + [0] * 2, [4] * 6 + [0], [5] * 7]  # right padding zeroed
+    assert batches[2]["aux"][0, 5:].abs().sum() == 0 and not batches[2]["loss_mask"][0, 5:].any()
+
+
+def test_background_batches_raise_the_readers_error_in_the_consumer():
+    def make(idx):
+        if idx == [1]:
+            raise OSError("shard-00001.safetensors: unreadable")
+        return collate([_item(i, 3) for i in idx])
+
+    it = BackgroundBatches(make, iter([[0], [1], [2]]))
+    assert next(it)["ids"] == ["s0"]
+    with pytest.raises(OSError, match="shard-00001"):
+        next(it)
+
+
+def test_background_batches_close_stops_a_reader_blocked_on_a_full_queue():
+    it = BackgroundBatches(lambda idx: collate([_item(i, 2) for i in idx]), ([i] for i in range(10**6)), depth=1)
+    next(it)
+    it.close()
+    assert not it.thread.is_alive()
+
+
+def test_device_prefetcher_on_cpu_hands_out_host_batches_once_each():
+    batches = [{"x": torch.tensor([i]), "ids": [f"s{i}"]} for i in range(3)]
+    pairs = list(DevicePrefetcher(iter(batches), torch.device("cpu"), depth=2))
+    assert [h["ids"] for h, _ in pairs] == [["s0"], ["s1"], ["s2"]]
+    assert all(h is d for h, d in pairs)
+    with pytest.raises(ValueError, match="depth"):
+        DevicePrefetcher(iter(batches), torch.device("cpu"), depth=0)
+
+
+def test_make_loader_without_pinning_is_a_dataloader_over_the_same_plan(world):  # noqa: F811
+    from eagle3.store import HiddenStateStore
+
+    store = HiddenStateStore(world["capture"] / "train")
+    stream = BatchStream(store.lengths, max_tokens=160, max_length=40, seed=3)
+    expected = [b for _, b in zip(range(4), (b for _, b in stream.iterate(0)))]
+    got = [b for _, b in zip(range(4), make_loader(store, stream, 0, 40, num_workers=0, pin_memory=False))]
+    assert [b["ids"] for b in got] == [[store.ids[i] for i in idx] for idx in expected]
