@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.fused_ce import linear_soft_cross_entropy
-from eagle3.loss import loss_positions, step_weights, teacher_logits
+from eagle3.loss import loss_positions, step_weights
 from eagle3.fast_kernels import kernel, rms_norm
 from eagle3.model import rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.ttt_flash import DiagonalKeys, causal_plus_diagonal_attention, flash_supported
-from eagle3.unroll import UnrollOutput
+from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
 def compute_dtype(reference: torch.Tensor) -> torch.dtype:
@@ -72,18 +72,12 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).
     compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py)."""
     B, T = input_ids.shape
-    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
-            or loss_mask.shape != (B, T):
-        raise ValueError(f"ttt_unroll_fast: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
-                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
-                         f"loss_mask {tuple(loss_mask.shape)}")
+    check_unroll_inputs("ttt_unroll_fast", aux, input_ids, last, target_argmax, loss_mask, ttt_length)
     if attention_mask is not None:
         raise ValueError("ttt_unroll_fast takes right-padded batches only (attention_mask=None); use ttt_unroll "
                          "for left padding")
-    if ttt_length < 1:
-        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
     cfg = model.config
-    K, H = ttt_length, cfg.hidden_size
+    K = ttt_length
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     device = input_ids.device
     d2t, t2d = model.d2t, model.t2d
@@ -96,11 +90,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
         count = torch.stack([m.sum() for m in masks]).to(torch.float32)
         denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
         scales = weights / denom.clamp(min=1)
-        teacher_at = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1)
-        flat = teacher_at.nonzero().squeeze(1)
-        teacher_p = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)  # fp32 [M, V]
-        row_of = torch.full((B * T,), -1, dtype=torch.long, device=device)
-        row_of[flat] = torch.arange(flat.numel(), device=device)
+        teacher_p, row_of = teacher_probs(last, lm_head_rows, loss_mask, target_argmax, t2d)  # fp32 [M, V], [B*T]
         argmax_flat = target_argmax.reshape(-1).long()
         # x_{t+k+1} for k = 0..K-1 at t = 0..T-1 as one strip of T + K - 1 ids (0 past the end).
         ids_strip = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, K)], dim=1)  # [B, T+K-1]

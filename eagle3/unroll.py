@@ -54,6 +54,32 @@ def step_position_counts(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t
                        ).to(torch.float32)
 
 
+def check_unroll_inputs(name: str, aux, input_ids, last, target_argmax, loss_mask, ttt_length: int) -> None:
+    """ValueError naming what disagrees: every per-position tensor is [B, T, ...] as input_ids."""
+    B, T = input_ids.shape
+    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
+            or loss_mask.shape != (B, T):
+        raise ValueError(f"{name}: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
+                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
+                         f"loss_mask {tuple(loss_mask.shape)}")
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
+
+
+@torch.no_grad()
+def teacher_probs(last: torch.Tensor, lm_head_rows: torch.Tensor, loss_mask: torch.Tensor,
+                  target_argmax: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher distribution where any TTT step needs it: positions s = t+k+1 with
+    loss_mask[s+1] & t2d[argmax_s] (the step "-1" mask), computed once, M rows instead of B*T.
+    Returns (fp32 [M, draft_V] probabilities, Long [B*T] row of each flat position, -1 where none)."""
+    B, T = loss_mask.shape
+    flat = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1).nonzero().squeeze(1)  # [M]
+    probs = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)
+    row_of = torch.full((B * T,), -1, dtype=torch.long, device=loss_mask.device)
+    row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)
+    return probs, row_of
+
+
 def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
                target_argmax: torch.Tensor, loss_mask: torch.Tensor, lm_head_rows: torch.Tensor,
                ttt_length: int = 7, *, step_decay: float = 0.8,
@@ -71,28 +97,15 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
     step_denominators fp32 [K]: N_k to divide each step's sum by (default: this batch's counts).
     """
     B, T = input_ids.shape
-    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
-            or loss_mask.shape != (B, T):
-        raise ValueError(f"ttt_unroll: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
-                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
-                         f"loss_mask {tuple(loss_mask.shape)}")
-    if ttt_length < 1:
-        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
+    check_unroll_inputs("ttt_unroll", aux, input_ids, last, target_argmax, loss_mask, ttt_length)
     device = input_ids.device
     d2t, t2d = model.d2t, model.t2d
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     weights = step_weights(ttt_length, step_decay).to(device)
 
-    with torch.no_grad():
-        # Teacher positions s = t+k+1 that any step uses: loss_mask[s+1] & t2d[argmax_s] (the step
-        # "-1" mask). The teacher is computed once, only there: M rows instead of B*T.
-        teacher_at = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1)   # [B*T]
-        flat = teacher_at.nonzero().squeeze(1)                                             # [M]
-        teacher_p = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)  # fp32 [M, V]
-        row_of = torch.full((B * T,), -1, dtype=torch.long, device=device)
-        row_of[flat] = torch.arange(flat.numel(), device=device)
-        argmax_flat = target_argmax.reshape(-1).long()
+    teacher_p, row_of = teacher_probs(last, lm_head_rows, loss_mask, target_argmax, t2d)
+    argmax_flat = target_argmax.reshape(-1).long()
 
     hidden = model.project_aux(aux)  # [B, T, H]; casts the store dtype to fc's
     cache = TTTCache(attention_mask)
