@@ -1,10 +1,15 @@
 """The hidden-state store: what capture writes and what train / eval read.
 
 Layout of a store directory:
-    manifest.json             header (widths, layer ids, dtype, meta) + the list of FINISHED shards
+    manifest.json             header (widths, layer ids, dtype, aux_dtype, meta) + the list of FINISHED shards
     shard-NNNNN.safetensors   sequences packed back to back: aux [N,3H], last [N,H] (bf16 by default),
                               input_ids int32 [N], loss_mask uint8 [N], target_argmax int32 [N],
                               offsets int64 [S+1] (sequence s is rows offsets[s]:offsets[s+1])
+
+aux_dtype="float8_e4m3fn" (opt-in; default: aux in `dtype`) halves the aux bytes: `aux` holds fp8 e4m3fn
+codes and `aux_scale` fp32 [N, layers] one scale per (token, captured layer) row (eagle3/fp8.py); the
+reader dequantises, so store[i]["aux"] is in `dtype` either way. `last` always stays in `dtype` (the
+teacher's logits are computed from it). A manifest without aux_dtype (older stores) means aux_dtype=dtype.
 
 Crash safety: a shard is written (straight from its host buffer) to a hidden temp name, fsynced and
 renamed; only then is the manifest (atomic) rewritten to list it. So a killed capture leaves at most one
@@ -30,6 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
+from eagle3.fp8 import FP8_DTYPE, dequantise_rows, quantise_rows
 from eagle3.manifest import atomic_write_bytes
 from safetensors import safe_open
 
@@ -37,8 +43,10 @@ STORE_FORMAT = "eagle3-hidden-state-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
-HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "shard_tokens", "meta")
+HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "aux_dtype",
+               "shard_tokens", "meta")
 
 
 class StoreError(RuntimeError):
@@ -62,7 +70,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-              torch.uint8: "U8", torch.int64: "I64"}
+              torch.uint8: "U8", torch.int64: "I64", FP8_DTYPE: "F8_E4M3"}
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
@@ -197,8 +205,15 @@ def _read_store_manifest(store_dir: Path) -> dict:
     return manifest
 
 
+def _header_value(m: dict, key: str):
+    if key == "aux_dtype":  # stores written before aux_dtype existed hold aux in `dtype`
+        return m.get("aux_dtype") or m.get("dtype")
+    return m.get(key)
+
+
 def _header_diff(a: dict, b: dict) -> list[str]:
-    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in HEADER_KEYS if a.get(k) != b.get(k)]
+    return [f"{k}: {_header_value(a, k)!r} != {_header_value(b, k)!r}" for k in HEADER_KEYS
+            if _header_value(a, k) != _header_value(b, k)]
 
 
 class HiddenStateWriter:
@@ -208,20 +223,26 @@ class HiddenStateWriter:
 
     def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
                  aux_layer_ids: list[int], hf_indices: list[int], dtype: str = "bfloat16",
-                 shard_tokens: int = 8192, meta: dict | None = None, background: bool = False):
+                 aux_dtype: str | None = None, shard_tokens: int = 8192, meta: dict | None = None,
+                 background: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        aux_dtype = aux_dtype or dtype
+        if aux_dtype not in (dtype, AUX_FP8):
+            raise ValueError(f"store aux_dtype {aux_dtype!r}: expected null (= dtype {dtype!r}) or {AUX_FP8!r}")
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         _lock_dir(self.dir, id(self))  # held until finish() (or process exit, even on SIGKILL)
         self.torch_dtype = DTYPES[dtype]
+        self.aux_fp8 = aux_dtype == AUX_FP8
         self.aux_width = len(aux_layer_ids) * target_hidden_size
+        self.aux_rows = (len(aux_layer_ids), target_hidden_size)  # fp8 scales: one per (token, layer) row
         self.hidden_size = hidden_size
         header = {"hidden_size": hidden_size, "target_hidden_size": target_hidden_size,
                   "aux_layer_ids": list(aux_layer_ids), "hf_indices": list(hf_indices), "dtype": dtype,
-                  "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
+                  "aux_dtype": aux_dtype, "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
         self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
                          "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
         if (self.dir / MANIFEST).is_file():
@@ -242,8 +263,11 @@ class HiddenStateWriter:
         # the caller computes the next batch (at most one shard in flight, so memory stays bounded).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") if background else None
         self._inflight: Future | None = None
-        self._columns = {"aux": (self.aux_width, self.torch_dtype), "last": (hidden_size, self.torch_dtype),
+        self._columns = {"aux": (self.aux_width, FP8_DTYPE if self.aux_fp8 else self.torch_dtype),
+                         "last": (hidden_size, self.torch_dtype),
                          "input_ids": (0, torch.int32), "loss_mask": (0, torch.uint8), "target_argmax": (0, torch.int32)}
+        if self.aux_fp8:
+            self._columns["aux_scale"] = (len(aux_layer_ids), torch.float32)
         self._buffers: list[_ShardBuffer] = []  # allocated at the first add (two: fill one, write the other)
         self._buf: _ShardBuffer | None = None
         self._last_written: _ShardBuffer | None = None
@@ -287,8 +311,12 @@ class HiddenStateWriter:
             self._buf = self._take_buffer(aux.is_cuda)
         order = self._next_order if order is None else int(order)
         mask = loss_mask.detach().to("cpu", torch.uint8)
-        self._buf.put({"aux": aux, "last": last, "input_ids": input_ids.detach().to("cpu", torch.int32),
-                       "loss_mask": mask, "target_argmax": target_argmax.detach().to("cpu", torch.int32)}, self._streams)
+        values = {"aux": aux, "last": last, "input_ids": input_ids.detach().to("cpu", torch.int32),
+                  "loss_mask": mask, "target_argmax": target_argmax.detach().to("cpu", torch.int32)}
+        if self.aux_fp8:  # on aux's device (cheap on the GPU), from the finite store-dtype values
+            codes, scale = quantise_rows(aux.reshape(T, *self.aux_rows))
+            values["aux"], values["aux_scale"] = codes.reshape(T, self.aux_width), scale
+        self._buf.put(values, self._streams)
         self._buf.seqs.append((seq_id, order, T, int(mask.sum())))
         self._pending[seq_id] = None
         self._next_order = max(self._next_order, order) + 1
@@ -424,6 +452,9 @@ class HiddenStateStore:
         if not self.manifest.get("complete") and not allow_incomplete:
             raise StoreError(f"{self.dir}: store is incomplete ({len(self.manifest['shards'])} shards so far); "
                              f"rerun the capture stage to finish it")
+        if self.aux_dtype not in (self.manifest["dtype"], AUX_FP8):
+            raise StoreError(f"{self.dir}: aux_dtype {self.aux_dtype!r} is not a format this reader knows "
+                             f"({self.manifest['dtype']!r} or {AUX_FP8!r}); update the code or recapture")
         self.verify = verify
         self._shards = self.manifest["shards"]
         if verify != "none":
@@ -455,6 +486,7 @@ class HiddenStateStore:
     aux_layer_ids = property(lambda self: list(self.manifest["aux_layer_ids"]))
     hf_indices = property(lambda self: list(self.manifest["hf_indices"]))
     dtype = property(lambda self: self.manifest["dtype"])
+    aux_dtype = property(lambda self: _header_value(self.manifest, "aux_dtype"))
     meta = property(lambda self: self.manifest["meta"])
     num_tokens = property(lambda self: int(self.manifest["num_tokens"]))
 
@@ -494,13 +526,21 @@ class HiddenStateStore:
                 "id": self._shards[si]["ids"][j],
                 "input_ids": h.get_slice("input_ids")[a:b].long(),
                 "loss_mask": h.get_slice("loss_mask")[a:b].bool(),
-                "aux": h.get_slice("aux")[a:b],
+                "aux": self._aux(h, a, b),
                 "last": h.get_slice("last")[a:b],
                 "target_argmax": h.get_slice("target_argmax")[a:b].long(),
             }
         except Exception as e:
             raise StoreError(f"{self.dir / self._shards[si]['file']}: cannot read sequence "
                              f"{self._shards[si]['ids'][j]!r} ({e}); corrupt shard, rerun capture") from e
+
+    def _aux(self, h, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of the shard's aux [T,3H] in the store dtype (fp8 codes dequantised with their scales)."""
+        aux = h.get_slice("aux")[a:b]
+        if self.aux_dtype != AUX_FP8:
+            return aux
+        scale = h.get_slice("aux_scale")[a:b]  # [T, layers]
+        return dequantise_rows(aux.view(b - a, scale.shape[-1], -1), scale, DTYPES[self.dtype]).view(b - a, -1)
 
     def verify_all(self) -> None:
         """Hash every shard against the manifest (raises StoreError naming the first bad one)."""
