@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-seq-len", type=int, default=0, help="profile one fast step at this T (0 = no)")
     p.add_argument("--store-seq-lens", default="",
                    help="also time the fast step fed from a real hidden-state store at these T (comma-separated): "
-                        "DataLoader workers + pinned memory + side-stream prefetch, as train/loop.py runs it")
+                        "a reader thread into pinned memory + side-stream prefetch, as train/loop.py runs it")
     p.add_argument("--store-steps", type=int, default=8, help="timed steps per store-fed T (after 2 warm-up steps)")
     p.add_argument("--store-dir", default=None, help="where to write the benchmark store (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
@@ -223,7 +223,8 @@ def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir:
     store = HiddenStateStore(store_dir, verify="size")
     stream = BatchStream(store.lengths, max_tokens=T, max_length=T, seed=0)
     pin = device.type == "cuda"
-    alone = iter(make_loader(store, stream, 0, T, num_workers=4, pin_memory=pin))
+    workers = 4 if pin else 0  # CPU: no worker processes (the GPU path reads in a thread)
+    alone = iter(make_loader(store, stream, 0, T, num_workers=workers, pin_memory=pin))
     next(alone)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -231,7 +232,7 @@ def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir:
     loader_alone = steps / (time.perf_counter() - t0)
     if hasattr(alone, "close"):
         alone.close()
-    loader = DevicePrefetcher(iter(make_loader(store, stream, 0, T, num_workers=4, pin_memory=pin)), device)
+    loader = DevicePrefetcher(iter(make_loader(store, stream, 0, T, num_workers=workers, pin_memory=pin)), device)
     objective.impl = "fast"
     times, waits = [], []
     for i in range(steps + 2):

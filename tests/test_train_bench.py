@@ -1,5 +1,6 @@
 """benchmarks/bench_train_step.py runs on CPU at tiny dims and reports every phase."""
 import importlib.util
+import json
 
 import torch
 
@@ -15,13 +16,23 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     try:
         out = tmp_path / "bench.json"
         res = bench.main(["--tiny", "--seq-lens", "16,32", "--iters", "1", "--warmup", "0", "--ttt", "3",
-                          "--device", "cpu", "--json", str(out)])
+                          "--device", "cpu", "--check-seq-len", "24", "--store-seq-lens", "16", "--store-steps", "2",
+                          "--store-dir", str(tmp_path / "store"), "--json", str(out)])
     finally:
         torch.set_num_threads(n)
-    assert [r["T"] for r in res] == [16, 32] and out.is_file()
-    for r in res:
+    timed = [r for r in res if r["impl"] in ("fast", "reference")]
+    assert [(r["impl"], r["T"]) for r in timed] == [("fast", 16), ("fast", 32), ("reference", 16), ("reference", 32)]
+    for r in timed:
         assert r["step_s"] >= r["forward_loss_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
         assert r["tokens_per_s"] > 0 and r["loss"] > 0
+    report = json.loads(out.read_text())
+    # the fast path matched the fp32 reference (on CPU both are fp32: near-exact), and was fed from a real store
+    assert report["check"]["fast"]["loss_rel_err"] < 1e-5 and not report["check"]["worse_than_reference"]
+    assert max(report["check"]["fast"]["grad_rel_err"].values()) < 1e-4
+    assert set(report["speedups"]) == {"16", "32"}
+    (store_row,) = [r for r in res if r["impl"] == "fast-from-store"]
+    assert store_row["T"] == 16 and store_row["tokens_per_s"] > 0 and store_row["loader_alone_batches_per_s"] > 0
+    assert (tmp_path / "store" / "T16" / "manifest.json").is_file()
     # issue 9's FLOP formula at K2 dims: 6 x 1.0368e9 x T x 7 + 344,064 x T^2 (+ fc once per token)
     k2 = bench.K2
     T = 4096
