@@ -210,15 +210,15 @@ def store_meta(cfg, fingerprints: dict, max_len: int, dist: Dist, split: str) ->
 
 def open_writer(store_dir: Path, cfg, header: dict, meta: dict) -> HiddenStateWriter:
     try:
-        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, shard_tokens=cfg.shard_tokens, meta=meta,
-                                 background=True)
+        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, aux_dtype=cfg.aux_dtype,
+                                 shard_tokens=cfg.shard_tokens, meta=meta, background=True)
     except StoreMismatchError as e:
         if not cfg.overwrite:
             raise CaptureError(f"{e}\n(set overwrite=true to delete it and capture again)") from e
         print(f"[capture] {store_dir}: written with other settings; overwrite=true, deleting it")
         shutil.rmtree(store_dir)
-        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, shard_tokens=cfg.shard_tokens, meta=meta,
-                                 background=True)
+        return HiddenStateWriter(store_dir, **header, dtype=cfg.dtype, aux_dtype=cfg.aux_dtype,
+                                 shard_tokens=cfg.shard_tokens, meta=meta, background=True)
 
 
 def check_split_dir(split_dir: Path, cfg, dist: Dist) -> None:
@@ -351,12 +351,15 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
                   f"in {results[split]['shards']} shards; truncated {plan_counts['truncated']}, skipped "
                   f"{results[split]['skipped'] or 0}; this run {run['tokens_run']:,} tokens in {run['seconds']:.1f}s")
     if dist.is_main:
-        bytes_per_token = (len(aux_ids) + 1) * H * torch.finfo(getattr(torch, cfg.dtype)).bits // 8 + 9
+        state_bytes = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
+        aux_bytes = len(aux_ids) * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else len(aux_ids) * H * state_bytes
+        bytes_per_token = aux_bytes + H * state_bytes + 9
         write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
                        aux_layer_ids=aux_ids, hf_indices=hf_indices, aux_layer_source=source,
                        target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
                                "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
-                       world_size=dist.world, store_dtype=cfg.dtype, max_seq_len=max_len,
+                       world_size=dist.world, store_dtype=cfg.dtype, store_aux_dtype=cfg.aux_dtype or cfg.dtype,
+                       max_seq_len=max_len,
                        bytes_per_token=bytes_per_token, splits=results)
     dist.barrier()
     return out

@@ -229,3 +229,61 @@ def test_cuda_states_are_quantised_on_the_device(tmp_path, background):
     a, b = HiddenStateStore(tmp_path), HiddenStateStore(cpu)
     for i in range(len(LENGTHS)):
         assert torch.equal(a[i]["aux"], b[i]["aux"]) and torch.equal(a[i]["last"], b[i]["last"])
+
+
+# -- the capture stage with aux_dtype=float8_e4m3fn ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
+    from data.prepare import run_prepare
+    from eagle3.conf import compose, to_schema
+    from eagle3.schema.prepare import PrepareConfig
+
+    root = tmp_path_factory.mktemp("fp8_prep")
+    corpus = root / "short.jsonl"
+    with open(corpus, "w") as f:
+        for i, r in enumerate(tiny_sharegpt_records[:12]):
+            turns = [{"from": t["from"], "value": " ".join(str(t["value"]).split()[:12])}
+                     for t in r["conversations"][:2]]
+            f.write(json.dumps({"id": f"c{i:02d}", "conversations": turns}) + "\n")
+    cfg = compose("prepare", [f"paths.root={root}", f"target.path={tiny_k25_target}",
+                              f"target.tokenizer={tiny_k25_target}", f"input={corpus}",
+                              "max_length=64", "validation_fraction=0.5"])
+    return run_prepare(to_schema(cfg, PrepareConfig))
+
+
+def capture(tmp_path, target, prepared, out, *overrides):
+    from data.capture import Dist, run_capture
+    from eagle3.conf import compose, to_schema
+    from eagle3.schema.capture import CaptureConfig
+
+    cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={target}", f"target.tokenizer={target}",
+                              f"in_dir={prepared}", f"out_dir={tmp_path / out}", "progress=false",
+                              "splits=[validation]", "limit=3", *overrides])
+    return run_capture(to_schema(cfg, CaptureConfig), Dist())
+
+
+def test_capture_stage_writes_fp8_aux(tmp_path, tiny_k25_target, prepared):
+    plain = capture(tmp_path, tiny_k25_target, prepared, "bf16")
+    fp8 = capture(tmp_path, tiny_k25_target, prepared, "fp8", f"aux_dtype={FP8}")
+    m = json.loads((fp8 / "manifest.json").read_text())
+    assert m["store_aux_dtype"] == FP8 and m["store_dtype"] == "bfloat16"
+    assert m["bytes_per_token"] == 3 * (64 + 4) + 64 * 2 + 9  # fp8 aux + 3 fp32 scales, bf16 last, ids
+    a, b = HiddenStateStore(plain / "validation"), HiddenStateStore(fp8 / "validation")
+    assert b.aux_dtype == FP8 and a.aux_dtype == "bfloat16" and a.ids == b.ids and len(a) == 3
+    for i in range(len(a)):
+        x = a[i]["aux"].view(-1, 3, 64)
+        assert_within_e4m3(x, b[i]["aux"].view(-1, 3, 64), quantise_rows(x)[1])
+        assert torch.equal(a[i]["last"], b[i]["last"]) and torch.equal(a[i]["target_argmax"], b[i]["target_argmax"])
+    from data.capture import CaptureError
+    with pytest.raises(CaptureError, match="aux_dtype"):  # the same out_dir in the other format is refused
+        capture(tmp_path, tiny_k25_target, prepared, "fp8")
+
+
+def test_capture_config_rejects_other_aux_dtypes():
+    from eagle3.conf import ConfigError, compose, to_schema
+    from eagle3.schema.capture import CaptureConfig
+
+    assert to_schema(compose("capture", []), CaptureConfig).aux_dtype is None
+    with pytest.raises(ConfigError, match="aux_dtype='float16'"):
+        to_schema(compose("capture", ["aux_dtype=float16"]), CaptureConfig)

@@ -10,6 +10,7 @@ from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 STORE_DTYPES = ("bfloat16", "float16", "float32")
+AUX_DTYPES = ("float8_e4m3fn",)  # besides null (= dtype): fp8 codes + one fp32 scale per (token, layer)
 OVERLONG_POLICIES = ("truncate", "skip")
 
 
@@ -24,6 +25,9 @@ class CaptureConfig:
     aux_layer_ids: Optional[List[int]] = None
     splits: List[str] = field(default_factory=lambda: ["train", "validation"])
     dtype: str = "bfloat16"  # stored aux / last states (the target itself runs in target.dtype)
+    # null: aux in `dtype`; float8_e4m3fn: aux as fp8 with one fp32 scale per (token, layer) row, about half
+    # the store's aux bytes, dequantised to `dtype` on read (`last` stays in `dtype`: the teacher's input)
+    aux_dtype: Optional[str] = None
     max_tokens_per_batch: int = 8192  # padded tokens per forward pass (sequences sorted by length)
     shard_tokens: int = 65536  # tokens per store shard
     limit: Optional[int] = None  # at most this many sequences per split (null = all)
@@ -38,6 +42,8 @@ class CaptureConfig:
     def validate(self) -> None:
         if self.dtype not in STORE_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {STORE_DTYPES}")
+        if self.aux_dtype is not None and self.aux_dtype not in AUX_DTYPES:
+            raise ConfigError(f"aux_dtype={self.aux_dtype!r}: expected null (= dtype) or one of {AUX_DTYPES}")
         if self.on_overlong not in OVERLONG_POLICIES:
             raise ConfigError(f"on_overlong={self.on_overlong!r}: expected one of {OVERLONG_POLICIES}")
         for name in ("max_tokens_per_batch", "shard_tokens", "argmax_chunk_tokens"):
