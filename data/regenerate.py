@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from data.prepare import Conversation, SkipCounter
+from data.round_trip import last_segment, round_trip_len, round_trip_stop
 
 
 class RegenerateError(RuntimeError):
@@ -107,6 +108,8 @@ def settings_of(cfg) -> dict:
     # openai: the served model's name and the target, not the URL (a restarted server on another
     # port resumes the same store); hf: the target checkpoint itself.
     s["model"] = f"{r.openai.model} ({cfg.target.name})" if r.backend == "openai" else cfg.target.path
+    if r.backend == "hf" and r.cut_at_round_trip:  # (absent when off: stores written before it stay valid)
+        s["cut_at_round_trip"] = True
     return s
 
 
@@ -135,6 +138,7 @@ def assistant_message(text: str, reasoning: Optional[str] = None) -> dict:
 
 
 PAST_MAX_LENGTH = "past_max_length"  # finish reason of a turn kept as written (see regenerate_batch)
+ROUND_TRIP = "round_trip"  # finish reason of an answer cut where its text stops re-tokenizing to its tokens
 
 
 def regenerate_batch(convs: list[Conversation], generate: BatchGenerate,
@@ -249,6 +253,8 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
         stats["turns_hit_max_tokens"] += sum(f == "length" for f in rec["finish_reasons"])
         stats["turns_past_max_length"] = stats.get("turns_past_max_length", 0) + sum(
             f == PAST_MAX_LENGTH for f in rec["finish_reasons"])
+        stats["turns_cut_at_round_trip"] = stats.get("turns_cut_at_round_trip", 0) + sum(
+            f == ROUND_TRIP for f in rec["finish_reasons"])
         out.append(Conversation(conv.id, rec["messages"], conv.location))
     return out, stats
 
@@ -260,13 +266,18 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
 class HFGenerator:
     """Batched chat generation with a loaded HF target: left-padded prompts rendered with the
     tokenizer's chat template (`add_generation_prompt=True`), stopping at the template's
-    end-of-turn (`<|im_end|>` when the vocab has it) or the tokenizer's eos."""
+    end-of-turn (`<|im_end|>` when the vocab has it) or the tokenizer's eos.
+
+    `cut_at_round_trip`: an answer is kept (and generated) only as far as its text re-tokenizes to
+    the generated tokens (data/round_trip.py), finish reason `round_trip` where it was cut; the
+    stored text is then exactly the target's greedy tokens."""
 
     def __init__(self, model, tokenizer, *, temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 256,
-                 seed: int = 0, max_positions: Optional[int] = None):
+                 seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False):
         import torch
 
         self.model, self.tok = model, tokenizer
+        self.cut_at_round_trip = cut_at_round_trip
         self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
         self.max_positions = max_positions
         stop = {tokenizer.eos_token_id}
@@ -289,7 +300,8 @@ class HFGenerator:
                                          trust_remote_code=target.trust_remote_code)
         return cls(model, tokenizer, temperature=regen_conf.temperature, top_p=regen_conf.top_p,
                    max_new_tokens=regen_conf.max_new_tokens, seed=regen_conf.seed,
-                   max_positions=text_config.get("max_position_embeddings"))
+                   max_positions=text_config.get("max_position_embeddings"),
+                   cut_at_round_trip=regen_conf.cut_at_round_trip)
 
     def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -313,6 +325,11 @@ class HFGenerator:
         if temp > 0:
             kwargs.update(temperature=temp, top_p=self.top_p if top_p is None else top_p)
             torch.manual_seed(self.seed if seed is None else seed)
+        if self.cut_at_round_trip:
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [round_trip_stop(self.tok, longest, self.stop_ids, self.end_think)])
         with torch.no_grad():
             out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device), **kwargs)
         results = []
@@ -320,10 +337,24 @@ class HFGenerator:
             stop_at = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
             reason = "length" if stop_at is None else "stop"
             row = row if stop_at is None else row[:stop_at]
+            if self.cut_at_round_trip:
+                row, reason = self._cut_row(row, reason)
             reasoning, answer = split_reasoning(row, self.end_think)
             decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
             results.append((decode(answer), reason, decode(reasoning) if reasoning is not None else None))
         return results
+
+    def _cut_row(self, row: list[int], reason: str) -> tuple[list[int], str]:
+        """The row up to where its last segment (the answer, or the reasoning still open) stops
+        surviving the round trip; rows stopped by `round_trip_stop` end in padding, dropped here."""
+        if reason == "length":
+            while row and row[-1] == self.pad_id:
+                row = row[:-1]
+        seg = last_segment(row, self.end_think)
+        keep = round_trip_len(self.tok, seg)
+        if keep == len(seg):
+            return row, reason
+        return row[: len(row) - len(seg) + keep], ROUND_TRIP
 
 
 def split_reasoning(ids: list[int], end_think: Optional[int]) -> tuple[Optional[list[int]], list[int]]:

@@ -148,9 +148,12 @@ def test_hf_backend_regenerates_every_assistant_turn(tmp_path, tiny_k2_target, t
     b = results["kimi_k25"]["b"]
     assert [m["role"] for m in b] == ["system", "user", "assistant", "user", "assistant"]
     assert b[3]["content"] == "And?"  # user turns are kept
-    expected_first = k25_generator.generate([b[:2]])[0][0]
+    # the stage cuts answers at the round trip by default (regenerate.cut_at_round_trip)
+    cutting = HFGenerator(k25_generator.model, k25_generator.tok, max_new_tokens=MAX_NEW,
+                          max_positions=k25_generator.max_positions, cut_at_round_trip=True)
+    expected_first = cutting.generate([b[:2]])[0][0]
     assert b[2]["content"] == expected_first  # turn 1 from the prompt; turn 2 from the regenerated history
-    assert b[4]["content"] == k25_generator.generate([b[:4]])[0][0]
+    assert b[4]["content"] == cutting.generate([b[:4]])[0][0]
 
 
 @pytest.fixture(scope="module")

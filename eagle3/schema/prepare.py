@@ -42,6 +42,9 @@ class RegenerateConf:
     max_conversations: Optional[int] = None  # regenerate (and keep) only the first N valid conversations
     seed: int = 0
     out_file: Optional[str] = None  # finished conversations (JSONL, appended + fsynced); default under out_dir
+    # hf backend: keep (and generate) an answer only as far as its text re-tokenizes to the generated
+    # tokens, so the stored turns are exactly the target's greedy output (data/round_trip.py)
+    cut_at_round_trip: bool = True
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
     def validate(self) -> None:
