@@ -15,12 +15,14 @@ matches, so a rerun is quick.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from eagle3.conf import compose, to_schema
+from eagle3.cpu_threads import WAIT_POLICY, auto_threads
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
 
 
@@ -62,10 +64,16 @@ class StageLog:
     """Wall time of every stage the demo ran, in order."""
     rows: list[tuple[str, float, str]] = field(default_factory=list)
 
+    threads: int = 0  # torch threads set before every stage (0: leave as is)
+
     def run(self, label: str, stage: str, overrides: list[str]) -> Path:
         schema, run = _runner(stage)
         typed = to_schema(compose(stage, overrides), schema)
         print(f"\n=== demo: {label} ({stage}) ===", flush=True)
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)  # a stage may have changed it (the mini world does)
         t0 = time.time()
         out = Path(run(typed))
         self.rows.append((label, time.time() - t0, str(out)))
@@ -131,12 +139,14 @@ def markdown_table(rows: list[dict]) -> str:
 def run_demo(cfg) -> Path:
     """Run the demo described in the module docstring; returns the report directory."""
     t_start = time.time()
-    log = StageLog()
+    threads = cfg.num_threads or auto_threads()
+    log = StageLog(threads=threads)
+    print(f"[demo] {threads} torch thread(s), {WAIT_POLICY}={os.environ.get(WAIT_POLICY, 'unset')}", flush=True)
     root = [f"paths.root={cfg.paths.root}"]
     ov = cfg.overrides
     steps = [f"max_steps={cfg.train_steps}"] + list(ov.train)
 
-    world = log.run("mini world", "mini_world", root + list(ov.mini_world))
+    world = log.run("mini world", "mini_world", root + [f"num_threads={threads}"] + list(ov.mini_world))
     k2_layers = json.loads((world / "k2-mini" / "config.json").read_text())["num_hidden_layers"]
     aux_ids = kimi_style_aux_ids(k2_layers)
     k2_drafter = world / "aqmedai-k2-mini"

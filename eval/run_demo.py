@@ -4,6 +4,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.cpu_threads import prefer_passive_wait  # noqa: E402
+
+prefer_passive_wait()  # before torch loads OpenMP (eagle3/cpu_threads.py says why)
+
 import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle3.conf import as_plain_dict
+from eagle3.cpu_threads import auto_threads
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
 from eagle3.schema.mini_world import MiniWorldConfig
 
@@ -171,17 +171,6 @@ def source_fingerprint(path: Path, edge: int = 4 << 20) -> str:
                 fh.seek(max(edge, size - edge))
                 h.update(fh.read(edge))
     return h.hexdigest()
-
-
-def auto_threads() -> int:
-    """All cores, minus those other processes keep busy: on a shared 2-core machine, two torch
-    threads competing with other jobs spin-wait and run 10x slower than one."""
-    cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]  # runnable processes, averaged over the last minute
-    except OSError:
-        busy = 0.0
-    return max(1, min(cores, round(cores - busy)))
 
 
 class MiniWorldError(RuntimeError):

@@ -24,3 +24,4 @@ class DemoConfig:
     train_steps: int
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seed: int = 0
+    num_threads: int = 0  # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
