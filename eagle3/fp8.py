@@ -1,7 +1,7 @@
 """Per-row fp8 (e4m3fn) quantisation of hidden states: tensors in, tensors out, no I/O.
 
 A row is the last dimension (one captured layer's hidden state of one token). Each row gets one fp32
-scale, amax / 448 (448 = the largest finite e4m3fn value), so the row's largest element maps to
+scale, amax / 448 (448 = the largest finite e4m3fn value; computed as amax x fl32(1/448)), so the row's largest element maps to
 +-448 and every element keeps e4m3's 3 mantissa bits: relative error <= 2^-4 for elements down to
 amax / 28672 (= e4m3's smallest normal 2^-6 x scale); smaller ones are e4m3 subnormals, absolute
 error <= scale x 2^-10.
@@ -23,7 +23,9 @@ def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x ~= codes.float() * scale[..., None]."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [...]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # amax x fl32(1/448), a multiply: CUDA divides by a scalar through its reciprocal, CPU does not, so a
+    # division would give the GPU and the CPU different scales (and codes) for the same states
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     # amax / (amax / 448) can round to just above 448, which the (non-saturating) cast turns into NaN
     codes = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale

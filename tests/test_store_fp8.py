@@ -60,7 +60,7 @@ def test_quantise_rows_hand_checked():
     x = torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0], [-448.0, 1.0, 3.0, 0.0]])
     codes, scale = quantise_rows(x)
     assert codes.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (3,)
-    assert torch.equal(scale, torch.tensor([4.0, FP8_MAX, FP8_MAX]) / FP8_MAX)  # amax / 448; zero row: 1
+    assert torch.equal(scale, torch.tensor([4.0, FP8_MAX, FP8_MAX]) * (1 / FP8_MAX))  # amax / 448; zero row: 1
     assert codes[0].float().tolist() == [112.0, -224.0, 56.0, 448.0]  # powers of two: exact
     assert codes[1].float().tolist() == [0.0] * 4
     assert dequantise_rows(codes, scale, torch.float32).tolist() == x.tolist()
