@@ -51,3 +51,29 @@ def test_pick_best_prefers_the_real_loop_and_breaks_ties_by_accuracy():
     # no real loop: the simulated value decides, then accuracy
     assert pick_best({"a": rep(1.3, None, [0.1]), "b": rep(1.2, None, [0.9])}, "2/1/3") == "a"
     assert pick_best({"a": rep(1.2, None, [0.1]), "b": rep(1.2, None, [0.9])}, "2/1/3") == "b"
+
+
+def test_stale_training_checkpoints_are_dropped_once_and_other_errors_kept(tmp_path):
+    from types import SimpleNamespace
+
+    from eval.demo import run_restarting_stale_training
+    from train.checkpoint import CheckpointError
+
+    out = tmp_path / "train-scratch"
+    (out / "checkpoints" / "step-000040").mkdir(parents=True)
+    calls = []
+
+    def run(typed):  # refuses while the stale checkpoint is there, as run_train does
+        calls.append(1)
+        if (Path(typed.out_dir) / "checkpoints").exists():
+            raise CheckpointError("written by a run with other settings")
+        return typed.out_dir
+
+    assert run_restarting_stale_training(run, SimpleNamespace(out_dir=str(out))) == str(out)
+    assert len(calls) == 2 and not (out / "checkpoints").exists()
+
+    def always_fails(typed):
+        raise CheckpointError("cannot write step 3")
+
+    with pytest.raises(CheckpointError, match="cannot write"):  # no checkpoints to drop: the error stands
+        run_restarting_stale_training(always_fails, SimpleNamespace(out_dir=str(tmp_path / "none")))
