@@ -82,6 +82,23 @@ def store_bytes(capture_dir: Path) -> dict:
     return {"tokens": tokens, "bytes_per_token": total / tokens, "aux_bytes_per_token": aux / tokens}
 
 
+def aux_error(bf16_dir: Path, fp8_dir: Path) -> dict:
+    """How far the fp8 store's aux states are from the bf16 store's, over the validation split:
+    per (token, layer) row, max |err| / amax and ||err|| / ||x||."""
+    a, b = HiddenStateStore(bf16_dir / "validation"), HiddenStateStore(fp8_dir / "validation")
+    max_rel, l2 = [], []
+    for i in range(len(a)):
+        layers = len(a.aux_layer_ids)
+        x = a[i]["aux"].float().view(a.lengths[i], layers, -1)
+        y = b[i]["aux"].float().view(x.shape)
+        err = (x - y).abs()
+        max_rel.append((err.amax(-1) / x.abs().amax(-1).clamp_min(1e-30)).flatten())
+        l2.append((err.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).flatten())
+    max_rel, l2 = torch.cat(max_rel), torch.cat(l2)
+    return {"rows": max_rel.numel(), "max_over_rows_of_max_err_over_amax": float(max_rel.max()),
+            "mean_rel_l2": float(l2.mean()), "max_rel_l2": float(l2.max())}
+
+
 def read_seconds(capture_dir: Path) -> float:
     """Wall time to read every train sequence through HiddenStateStore (median of 3)."""
     store = HiddenStateStore(capture_dir / "train", verify="none")
@@ -166,11 +183,12 @@ def main() -> None:
         evals[name] = eval_figures(json.loads((out / "report.json").read_text()))
 
     sizes = {fmt: {**store_bytes(captures[fmt]), "read_train_s": read_seconds(captures[fmt])} for fmt in FORMATS}
+    error = aux_error(captures["bf16"], captures["fp8"])
     result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "mini_world": str(world),
               "prepare_dir": str(prep), "work": str(work), "aux_layer_ids": aux_ids, "max_steps": args.max_steps,
               "stores": sizes, "aux_bytes_ratio": sizes["fp8"]["aux_bytes_per_token"] / sizes["bf16"]["aux_bytes_per_token"],
               "total_bytes_ratio": sizes["fp8"]["bytes_per_token"] / sizes["bf16"]["bytes_per_token"],
-              "dequant_k25_width": dequant_k25_seconds(), "evals": evals, "stage_seconds": log,
+              "aux_error": error, "dequant_k25_width": dequant_k25_seconds(), "evals": evals, "stage_seconds": log,
               "total_seconds": time.time() - t_start}
     (work / "bench_fp8_store.json").write_text(json.dumps(result, indent=1) + "\n")
     print(render(result))
@@ -184,7 +202,11 @@ def render(r: dict) -> str:
     for fmt, v in s.items():
         lines.append(f"| {fmt} aux | {v['tokens']} | {v['bytes_per_token']:.1f} | {v['aux_bytes_per_token']:.1f} | "
                      f"{v['read_train_s']:.3f} |")
-    lines.append(f"\nfp8 / bf16: aux bytes x{r['aux_bytes_ratio']:.3f}, all bytes x{r['total_bytes_ratio']:.3f}\n")
+    lines.append(f"\nfp8 / bf16: aux bytes x{r['aux_bytes_ratio']:.3f}, all bytes x{r['total_bytes_ratio']:.3f}")
+    e = r["aux_error"]
+    lines.append(f"fp8 vs bf16 aux over {e['rows']} validation (token, layer) rows: max |err| / row amax "
+                 f"{e['max_over_rows_of_max_err_over_amax']:.4f}, relative L2 error mean {e['mean_rel_l2']:.4f} "
+                 f"(max {e['max_rel_l2']:.4f})\n")
     cols = ["acc_step0", "acc_mean"] + [f"{m} {k}" for m in ("sim", "chain_est", "real") for k in KNOBS]
     lines += ["| drafter / validation store | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for name, e in r["evals"].items():
