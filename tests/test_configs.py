@@ -60,6 +60,8 @@ def test_demo_config_composes_for_every_size(size, tmp_path):
         extra = ["+init=scratch"] if stage in ("train", "export", "eval") else []
         stage_cfg = compose(stage, [f"paths.root={tmp_path}"] + extra + list(getattr(typed.overrides, stage)))
         to_schema(stage_cfg, stage_schema(stage))
+    k25 = compose("prepare", [f"paths.root={tmp_path}"] + list(typed.overrides.prepare) + list(typed.overrides.prepare_k25))
+    to_schema(k25, stage_schema("prepare"))
     mw = compose("mini_world", [f"paths.root={tmp_path}"] + list(typed.overrides.mini_world))
     to_schema(mw, stage_schema("mini_world"))
 

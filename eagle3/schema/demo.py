@@ -10,6 +10,7 @@ class StageOverrides:
     """Extra Hydra overrides the demo passes to each stage (its size preset)."""
     mini_world: list[str] = field(default_factory=list)
     prepare: list[str] = field(default_factory=list)
+    prepare_k25: list[str] = field(default_factory=list)  # after `prepare`, for the K2.5 side only (the experiment)
     capture: list[str] = field(default_factory=list)
     vocab: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
