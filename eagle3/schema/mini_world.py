@@ -70,7 +70,7 @@ class MiniModelConf:
 
 @dataclass
 class MiniTrainConf:
-    steps: int = 120
+    steps: int = 300
     batch_size: int = 8  # blocks per step
     seq_len: int = 256  # tokens per packed block
     lr: float = 3e-3
@@ -100,7 +100,7 @@ class MiniWorldConfig:
     tokenizer: MiniTokenizerConf = field(default_factory=MiniTokenizerConf)
     model: MiniModelConf = field(default_factory=MiniModelConf)
     k2_train: MiniTrainConf = field(default_factory=MiniTrainConf)
-    k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=60, lr=1.5e-3, warmup_steps=10))
+    k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=150, lr=1.5e-3, warmup_steps=10))
     init: Optional[InitConf] = None  # unused; accepted so every config composes with +init
 
     def validate(self) -> None:
