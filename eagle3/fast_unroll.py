@@ -31,7 +31,7 @@ from torch import nn
 from eagle3.fused_ce import linear_soft_cross_entropy
 from eagle3.loss import loss_positions, step_weights
 from eagle3.fast_kernels import kernel, rms_norm
-from eagle3.model import rope_inv_freq
+from eagle3.model import rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.ttt_flash import DiagonalKeys, causal_plus_diagonal_attention, flash_supported
 from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
@@ -111,9 +111,8 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     sums, corrects = [], []
     pre, post = kernel("attention_inputs", compiled), kernel("attention_output_and_mlp", compiled)
     for k in range(K):
-        freqs = (position_ids + k).to(torch.float32)[..., None] * inv_freq   # [B, T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                  # [B, T, 1, d]
-        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        cos, sin = rope_cos_sin(inv_freq, position_ids + k, dt)
+        cos, sin = cos[:, :, None], sin[:, :, None]                           # [B, T, 1, d]
         q, key, val = pre(hidden, qkv_embed[:, k:k + T], layer.hidden_norm.weight, w.qkv_hidden, cos, sin,
                           layer.hidden_norm.eps, h, hkv, d)                   # [B, T, h|hkv, d]
         if not flash_supported(q):  # e.g. fp32 on CUDA: the reference attention, the rest stays fast

@@ -184,6 +184,13 @@ def rope_inv_freq(cfg: DrafterConfig, device=None) -> torch.Tensor:
     return inv
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B,T,d] for positions [B,T] (fp32 angles, then cast to `dtype`)."""
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B,T,d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -221,9 +228,8 @@ class DrafterAttention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B,h,T,d]
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,hkv,T,d]
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        freqs = position_ids.to(torch.float32)[..., None] * rope_inv_freq(c, x.device)  # [B,T,d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B,1,T,d]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        cos, sin = rope_cos_sin(rope_inv_freq(c, x.device), position_ids, q.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [B,1,T,d]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = cache.attend(q, k, v)  # [B,h,T,d]

@@ -161,12 +161,12 @@ def make_loader(store, stream: BatchStream, start: int, max_length: int, num_wor
     into page-locked memory, `max(2, num_workers)` batches ahead: one copy per byte, no worker
     processes (a DataLoader's workers would copy a 235 MB Kimi batch three more times: into
     shared memory, out of it, and into pinned memory). Otherwise a DataLoader with `num_workers`."""
+    sequences = StoreSequences(store, max_length)
     if pin_memory:
-        return BackgroundBatches(lambda idx: collate([StoreSequences(store, max_length)[i] for i in idx],
-                                                     pin_memory=True),
+        return BackgroundBatches(lambda idx: collate([sequences[i] for i in idx], pin_memory=True),
                                  (b for _, b in stream.iterate(start)), depth=max(2, num_workers))
     batch_sampler = (b for _, b in stream.iterate(start))
-    return torch.utils.data.DataLoader(StoreSequences(store, max_length), batch_sampler=_Iterable(batch_sampler),
+    return torch.utils.data.DataLoader(sequences, batch_sampler=_Iterable(batch_sampler),
                                        collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
                                        prefetch_factor=4 if num_workers else None,
                                        persistent_workers=False)
