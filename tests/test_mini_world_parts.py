@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from data.corpus import RawRecord
-from data.mini_world.lm import lr_at, pack_blocks, perplexity, unigram_perplexity
+from data.mini_world.lm import lr_at, pack_blocks, perplexity, resolve_device, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, classify, conversation_of, split_conversations
+from eagle3.conf import ConfigError, compose, to_schema
+from eagle3.schema.mini_world import MiniWorldConfig
 
 
 def rec(i, turns, rid=None):
@@ -104,3 +106,35 @@ def test_perplexity_matches_naive_reference():
     uni = unigram_perplexity([[0, 0, 1]], [[5, 0, 1]], 3, max_tokens=10)
     # add-one counts: 0 -> 3, 1 -> 2, 2 -> 1 (of 6); targets 0 and 1
     assert uni == pytest.approx(math.exp(-(math.log(3 / 6) + math.log(2 / 6)) / 2))
+
+
+def test_device_choice_is_checked(monkeypatch, tmp_path):
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        resolve_device("cuda")
+    cfg = compose("mini_world", [f"paths.root={tmp_path}", "device=tpu"])
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        to_schema(cfg, MiniWorldConfig)
+
+
+def test_train_lm_on_a_device_learns_and_returns_the_model_on_cpu():
+    class Bigram(torch.nn.Module):
+        def __init__(self, V):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(V, V))
+
+        def forward(self, input_ids, labels):
+            logits = self.table[input_ids[:, :-1]]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            return type("O", (), {"loss": loss})()
+
+    blocks = torch.tensor([[0, 1, 2, 3] * 4] * 8)
+    cfg = type("C", (), dict(steps=30, batch_size=4, lr=0.3, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0,
+                             grad_clip=1.0))
+    model = Bigram(4)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stats = train_lm(model, blocks, cfg, seed=0, desc="bigram", device=dev)
+    assert stats["final_loss"] < 0.5 * stats["first_loss"]
+    assert model.table.device.type == "cpu" and stats["tokens"] == 30 * 4 * 16

