@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.ttt_flash import resolve_attention_kernel  # noqa: E402
 from eagle3.unroll import TTTObjective  # noqa: E402
 
 K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
@@ -51,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--no-autocast", action="store_true", help="fp32 compute on CUDA too")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="for the MFU column (H200 bf16 dense)")
     p.add_argument("--impls", default="fast,reference",
-                   help="objective implementations to time, comma-separated (eagle3.unroll.TTTObjective impl)")
+                   help="objective implementations to time, comma-separated (eagle3.unroll.TTTObjective impl); "
+                        "fast-flash / fast-cudnn = the fast path with that attention kernel (fast = --attention-kernel)")
+    p.add_argument("--attention-kernel", default="auto", help="the fast path's attention kernel: auto | flash | cudnn")
     p.add_argument("--compile", action="store_true", help="fast path with torch.compile'd memory-bound pieces")
     p.add_argument("--check-seq-len", type=int, default=1024,
                    help="T of the fast-vs-reference loss/gradient check (0 = skip)")
@@ -256,6 +259,13 @@ def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir:
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None}
 
 
+def use_impl(objective, name: str, default_kernel: str) -> None:
+    """Point the objective at impl `name`: fast | reference | fast-<attention kernel>."""
+    impl, _, kernel_name = name.partition("-")
+    objective.impl = impl
+    objective.attention_kernel = kernel_name or default_kernel
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -263,13 +273,15 @@ def main(argv=None) -> list[dict]:
     amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     objective, rows, draft_ids = build(args.dims, args.ttt, device, bf16=autocast)
     objective.compile = args.compile
+    objective.attention_kernel = args.attention_kernel
     params = [p for p in objective.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
     n_train = sum(p.numel() for p in params)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, autocast bf16: {autocast}, compile: {args.compile}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
-          f"loss share {args.mask_frac}, trainable params {n_train / 1e6:.1f}M", flush=True)
+          f"loss share {args.mask_frac}, trainable params {n_train / 1e6:.1f}M, attention kernel {args.attention_kernel} "
+          f"-> {resolve_attention_kernel(args.attention_kernel, device)}", flush=True)
     check, failure = None, None
     if args.check_seq_len:
         batch = make_batch(args.dims, args.batch, args.check_seq_len, draft_ids, device, mask_frac=args.mask_frac)
@@ -292,11 +304,11 @@ def main(argv=None) -> list[dict]:
         print(profile_step(objective, rows, batch, amp), flush=True)
         del batch
     results = []
-    header = (f"{'impl':>9} {'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+    header = (f"{'impl':>10} {'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} "
               f"{'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9} {'vs anchor':>9}")
     print(header)
     for impl in [x for x in args.impls.split(",") if x]:
-        objective.impl = impl
+        use_impl(objective, impl, args.attention_kernel)
         for T in args.seq_lens:
             batch = make_batch(args.dims, args.batch, T, draft_ids, device, mask_frac=args.mask_frac)
             if device.type == "cuda":
@@ -306,7 +318,7 @@ def main(argv=None) -> list[dict]:
                 r = bench_one(objective, rows, batch, optimizer, params, device, autocast, args.iters, args.warmup)
             except torch.cuda.OutOfMemoryError:
                 optimizer.zero_grad(set_to_none=True)
-                print(f"{impl:>9} {T:>6} OOM", flush=True)
+                print(f"{impl:>10} {T:>6} OOM", flush=True)
                 results.append({"impl": impl, "T": T, "oom": True})
                 continue
             tokens = args.batch * T
@@ -322,7 +334,7 @@ def main(argv=None) -> list[dict]:
             results.append(row)
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
             va = f"{row['vs_anchor']:.2f}x" if row["vs_anchor"] else "-"
-            print(f"{impl:>9} {T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
+            print(f"{impl:>10} {T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
                   f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} {row.get('peak_alloc_gib', '-'):>10} "
                   f"{row.get('peak_reserved_gib', '-'):>9} {va:>9}", flush=True)
             del batch
@@ -334,6 +346,7 @@ def main(argv=None) -> list[dict]:
                 speedups[row["T"]] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
     if speedups:
         print("fast / reference tokens/s: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in speedups.items()))
+    use_impl(objective, "fast", args.attention_kernel)
     store_rows = []
     for T in [int(x) for x in args.store_seq_lens.split(",") if x]:
         import tempfile

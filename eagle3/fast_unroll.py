@@ -1,7 +1,7 @@
 """The TTT unroll, fast: the same function as `eagle3.unroll.ttt_unroll`, computed with less work.
 
 What differs from the reference unroll (which steps the drafter module as inference does):
-  * Attention: step 0 is one causal flash call; steps 1..6 are a causal flash call over the step-0
+  * Attention: step 0 is one causal flash (or cuDNN) call; steps 1..6 are a causal flash call over the step-0
     keys merged by log-sum-exp with the per-position diagonal keys (eagle3/ttt_flash.py): no
     T x T score matrix, no mask, and the attention FLOPs of a causal call per step.
   * The embedding half of q/k/v is computed once per batch. The layer's q/k/v read
@@ -33,7 +33,8 @@ from eagle3.loss import loss_positions, step_weights
 from eagle3.fast_kernels import kernel, rms_norm
 from eagle3.model import rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
-from eagle3.ttt_flash import DiagonalKeys, causal_plus_diagonal_attention, flash_supported
+from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
+                              resolve_attention_kernel)
 from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
@@ -67,10 +68,12 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                     attention_mask: Optional[torch.Tensor] = None,
                     position_ids: Optional[torch.Tensor] = None,
                     step_denominators: Optional[torch.Tensor] = None,
-                    ce_chunk_rows: int = 4096, compiled: bool = False) -> UnrollOutput:
+                    ce_chunk_rows: int = 4096, compiled: bool = False,
+                    attention_kernel: str = "auto") -> UnrollOutput:
     """Same arguments and result as `eagle3.unroll.ttt_unroll` (see there). Right-padded batches
     only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).
-    compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py)."""
+    compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
+    attention_kernel: the causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py)."""
     B, T = input_ids.shape
     check_unroll_inputs("ttt_unroll_fast", aux, input_ids, last, target_argmax, loss_mask, ttt_length)
     if attention_mask is not None:
@@ -84,6 +87,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     weights = step_weights(K, step_decay).to(device)
+    kernel_name = resolve_attention_kernel(attention_kernel, device)
 
     with torch.no_grad():
         masks = [loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)]
@@ -122,12 +126,11 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                 key, val = key.repeat_interleave(h // hkv, dim=2), val.repeat_interleave(h // hkv, dim=2)
             if k == 0:
                 k0, v0 = key, val
-                attn = F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2),
-                                                      is_causal=True, scale=scale).transpose(1, 2)
+                attn = causal_attention(q, key, val, scale, kernel_name)
                 diagonal = DiagonalKeys(K - 1, q)
             else:
                 diagonal.append(key, val)
-                attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled)
+                attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled, kernel_name)
         prenorm = post(attn, hidden, w.o, layer.post_attention_layernorm.weight, w.gate_up, w.down,
                        layer.post_attention_layernorm.eps)                    # [B, T, H]
         with torch.no_grad():

@@ -139,11 +139,12 @@ class TTTObjective(nn.Module):
     IMPLS = ("auto", "fast", "reference")
 
     def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8, impl: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, attention_kernel: str = "auto"):
         """impl: "reference" = `ttt_unroll` (the drafter stepped as at inference); "fast" =
         `eagle3.fast_unroll.ttt_unroll_fast` (same function, flash attention + shared embedding
         projections + fused loss); "auto" = fast on CUDA, reference elsewhere.
-        compile: the fast path's memory-bound pieces through torch.compile (eagle3/fast_kernels.py)."""
+        compile: the fast path's memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
+        attention_kernel: the fast path's causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py)."""
         super().__init__()
         if impl not in self.IMPLS:
             raise ValueError(f"TTTObjective impl={impl!r}: expected one of {self.IMPLS}")
@@ -152,6 +153,7 @@ class TTTObjective(nn.Module):
         self.step_decay = step_decay
         self.impl = impl
         self.compile = compile
+        self.attention_kernel = attention_kernel
 
     def resolved_impl(self, batch: dict) -> str:
         if self.impl != "auto":
@@ -164,7 +166,7 @@ class TTTObjective(nn.Module):
         unroll, extra = ttt_unroll, {}
         if self.resolved_impl(batch) == "fast":
             from eagle3.fast_unroll import ttt_unroll_fast as unroll
-            extra = {"compiled": self.compile}
+            extra = {"compiled": self.compile, "attention_kernel": self.attention_kernel}
         return unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
                       batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
                       attention_mask=batch.get("attention_mask"), step_denominators=step_denominators, **extra)

@@ -22,7 +22,9 @@ from eagle3.fused_ce import linear_soft_cross_entropy
 from eagle3.loss import soft_cross_entropy_rows, teacher_logits
 from eagle3.model import RMSNorm
 from eagle3.ttt import TTTCache
-from eagle3.ttt_flash import DiagonalKeys, causal_plus_diagonal_attention
+from eagle3.schema.train import ATTENTION_KERNELS as SCHEMA_ATTENTION_KERNELS
+from eagle3.ttt_flash import (ATTENTION_KERNELS, DiagonalKeys, causal_attention, causal_plus_diagonal_attention,
+                              choose_attention_kernel)
 from eagle3.unroll import TTTObjective, step_position_counts, ttt_unroll
 from eagle3.vocab_map import ids_from_d2t
 from tests.test_unroll import DV, H, tiny_batch, tiny_drafter
@@ -54,11 +56,10 @@ def leaf_qkv(B, T, h, d, g, layout):
 
 
 def fast_ttt_attention(qkvs, scale):
-    """Steps 0..K-1 through the fast path ([B,T,h,d] in and out): step 0 one causal SDPA call (as
-    ttt_unroll_fast does), later steps causal_plus_diagonal_attention."""
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    """Steps 0..K-1 through the fast path ([B,T,h,d] in and out): step 0 one causal_attention call
+    (as ttt_unroll_fast does), later steps causal_plus_diagonal_attention."""
     (q0, k0, v0), rest = qkvs[0], qkvs[1:]
-    outs = [t(F.scaled_dot_product_attention(t(q0), t(k0), t(v0), is_causal=True, scale=scale))]
+    outs = [causal_attention(q0, k0, v0, scale)]
     diagonal = DiagonalKeys(len(rest), q0)
     for q, k, v in rest:
         diagonal.append(k, v)
@@ -138,6 +139,45 @@ def test_causal_plus_diagonal_matches_explicit_cache_outputs_and_grads(T, steps,
     for i, (got, want) in enumerate(zip(fast_grads, ref_grads)):
         assert want.abs().max() > 0
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"gradient of leaf {i}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_major"])
+def test_causal_attention_matches_sdpa_outputs_and_grads(layout):
+    g = torch.Generator().manual_seed(3)
+    leaves, (q, k, v) = leaf_qkv(2, 9, 3, 4, g, layout)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    got = causal_attention(q, k, v, 0.4)
+    want = t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, scale=0.4))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = randn(*got.shape, g=g)
+    for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="v "):
+        causal_attention(q, k, randn(2, 8, 3, 4, g=g), 0.4)
+
+
+@pytest.mark.parametrize("choice,device,cap,cudnn,want", [
+    ("auto", "cuda", (9, 0), 91900, "cudnn"),   # Hopper: cuDNN
+    ("auto", "cuda", (10, 0), 90800, "cudnn"),  # Blackwell
+    ("auto", "cuda", (8, 0), 91900, "flash"),   # Ampere: flash
+    ("auto", "cuda", (9, 0), 8907, "flash"),    # cuDNN 8: flash
+    ("auto", "cuda", (9, 0), None, "flash"),    # no cuDNN
+    ("auto", "cpu", None, None, "flash"),
+    ("flash", "cuda", (9, 0), 91900, "flash"),
+    ("cudnn", "cuda", (8, 0), 90100, "cudnn"),  # asked for explicitly: honoured where cuDNN 9 exists
+])
+def test_attention_kernel_choice(choice, device, cap, cudnn, want):
+    assert choose_attention_kernel(choice, device, cap, cudnn) == want
+
+
+def test_attention_kernel_choice_rejects_unknown_names_and_cudnn_without_cuda():
+    with pytest.raises(ValueError, match="expected one of"):
+        choose_attention_kernel("fa3", "cuda", (9, 0), 91900)
+    with pytest.raises(ValueError, match="cuDNN 9"):
+        choose_attention_kernel("cudnn", "cpu", None, None)
+    with pytest.raises(ValueError, match="cuDNN 9"):
+        choose_attention_kernel("cudnn", "cuda", (9, 0), 8907)
+    assert SCHEMA_ATTENTION_KERNELS == ATTENTION_KERNELS  # the config schema keeps its own torch-free copy
 
 
 def test_causal_plus_diagonal_rejects_mismatched_shapes():
@@ -394,6 +434,14 @@ def test_fast_unroll_rejects_an_attention_mask():
     with pytest.raises(ValueError, match="attention_mask"):
         ttt_unroll_fast(*unroll_args(model, batch, rows), 3,
                         attention_mask=torch.ones_like(batch["loss_mask"]))
+
+
+def test_fast_unroll_names_a_cudnn_kernel_it_cannot_use():
+    model, batch, rows = unroll_case(T=8)
+    with pytest.raises(ValueError, match="cudnn"):
+        ttt_unroll_fast(*unroll_args(model, batch, rows), 3, attention_kernel="cudnn")
+    out = TTTObjective(model, ttt_length=3, impl="fast", attention_kernel="flash")(batch, rows)
+    assert torch.isfinite(out.loss)
 
 
 def test_objective_fast_and_reference_give_the_same_loss():

@@ -37,11 +37,14 @@ def test_fast_unroll_trains_like_the_reference_through_run_train(world, tmp_path
     assert ref[-1]["loss_weighted"] < ref[0]["loss_weighted"]  # it did train
 
 
-def test_schema_rejects_unknown_unroll_and_compile(world, tmp_path):  # noqa: F811
+def test_schema_rejects_unknown_unroll_compile_and_attention_kernel(world, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="unroll"):
         config_for(world, tmp_path, unroll="fastest")
     with pytest.raises(ConfigError, match="compile"):
         config_for(world, tmp_path, compile="maybe")
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        config_for(world, tmp_path, attention_kernel="fa3")
+    assert config_for(world, tmp_path, attention_kernel="flash").attention_kernel == "flash"
 
 
 def test_compile_auto_means_gpu_only(world, tmp_path):  # noqa: F811

@@ -116,7 +116,8 @@ def run_train(config) -> Path:
         drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
 
     objective = accelerator.prepare(TTTObjective(drafter, config.ttt_length, config.step_decay,
-                                                 impl=config.unroll, compile=_use_compile(config, device)))
+                                                 impl=config.unroll, compile=_use_compile(config, device),
+                                                 attention_kernel=config.attention_kernel))
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = accelerator.prepare(make_optimizer(params, config.optim, device))
     stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length, config.seed,

@@ -68,6 +68,7 @@ class WandbConf:
 
 UNROLLS = ("auto", "fast", "reference")
 COMPILE_CHOICES = ("auto", "true", "false")
+ATTENTION_KERNELS = ("auto", "flash", "cudnn")  # eagle3/ttt_flash.py (kept torch-free here)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class TrainConfig:
     precision: str = "auto"               # auto: bf16 autocast on GPU, fp32 on CPU
     unroll: str = "auto"                  # TTT unroll: fast (flash + fused, eagle3/fast_unroll.py) | reference | auto (fast on GPU)
     compile: str = "auto"                 # torch.compile the fast unroll's memory-bound pieces: auto (on GPU) | true | false
+    attention_kernel: str = "auto"        # fast unroll's causal attention: auto (cuDNN on Hopper+, else flash) | flash | cudnn
     cpu: bool = False                     # force CPU even when a GPU is present
     fsdp: bool = False                    # shard params/grads/optimizer (drafter too big per GPU)
     log_every: int = 10
@@ -119,5 +121,7 @@ class TrainConfig:
             raise ConfigError(f"unroll={self.unroll!r}: expected one of {UNROLLS}")
         if str(self.compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile={self.compile!r}: expected one of {COMPILE_CHOICES}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel={self.attention_kernel!r}: expected one of {ATTENTION_KERNELS}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {NONFINITE_POLICIES}")
