@@ -4,7 +4,7 @@ backward given a *merged* out / lse (eagle3/ttt_flash.py's trick) equals the fla
 the same, and times forward + backward of each. Also times weight-gradient accumulation over 7
 steps: mm then add vs addmm_ into the accumulator.
 
-python3 benchmarks/probe_attention_kernels.py [--seq-lens 4096,8192]
+python3 benchmarks/probe_attention_kernels.py [--seq-lens 4096,8192] [--functions]
 """
 import argparse
 import time
@@ -46,7 +46,12 @@ def timeit(fn, iters=10):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq-lens", default="4096,8192")
+    p.add_argument("--functions", action="store_true", help="only check eagle3/ttt_flash.py's Functions, cuDNN vs flash")
     a = p.parse_args()
+    if a.functions:
+        for T in (1024, 4096):
+            check_functions(T)
+        return
     torch.manual_seed(0)
     dev = "cuda"
     print(torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_name())
@@ -73,6 +78,15 @@ def main():
         for name, x, y in zip("qkv", gf, gc):
             rel = ((x.float() - y.float()).norm() / x.float().norm()).item()
             print(f"  bwd merged d{name}: rel L2 diff {rel:.3e}")
+        # q / k as views of one packed [B,T,2h,d] projection (as the fast unroll's rope output is)
+        qk = torch.cat([q.transpose(1, 2), k.transpose(1, 2)], dim=2)
+        qp, kp = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
+        oc2, lc2, rc2 = cudnn_fwd(qp, kp, v, s)
+        gc2 = cudnn_bwd(do, qp, kp, v, oc2, lc2, rc2, s)
+        gf2 = flash_bwd(do, q, k, v, of, lf, rf, s)
+        print("  packed q/k views, cuDNN vs flash: fwd max|diff| %.3e; bwd rel L2 dq %.3e dk %.3e dv %.3e" % (
+            (oc2 - of).abs().max().item(),
+            *[((x.float() - y.float()).norm() / x.float().norm()).item() for x, y in zip(gf2, gc2)]))
         tf = timeit(lambda: flash_fwd(q, k, v, s))
         tc = timeit(lambda: cudnn_fwd(q, k, v, s))
         tbf = timeit(lambda: flash_bwd(do, q, k, v, of, lf, rf, s))
@@ -100,6 +114,33 @@ def main():
         t1, t2 = timeit(sep, 5), timeit(fused, 5)
         print(f"  gate_up weight grad x7: mm+add {t1*1e3:.2f} ms, addmm_ {t2*1e3:.2f} ms "
               f"(GEMM floor at 755 TF/s {7*2*T*36864*7168/755e12*1e3:.2f} ms)")
+
+
+def check_functions(T: int, h: int = 8, d: int = 128, steps: int = 4) -> None:
+    """This repo's autograd Functions (eagle3/ttt_flash.py) with cuDNN vs flash, q/k as views of one
+    packed projection (as the fast unroll makes them): outputs and gradients of a 4-step TTT chain."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eagle3.ttt_flash import DiagonalKeys, causal_attention, causal_plus_diagonal_attention
+    g = torch.Generator(device="cuda").manual_seed(1)
+    leaves = [torch.randn(1, T, 3 * h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+              for _ in range(steps)]
+    dout = [torch.randn(1, T, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(steps)]
+    grads = {}
+    for name in ("flash", "cudnn"):
+        qkv = [(x[:, :, :h], x[:, :, h:2 * h], x[:, :, 2 * h:]) for x in leaves]
+        (q0, k0, v0) = qkv[0]
+        outs = [causal_attention(q0, k0, v0, d ** -0.5, name)]
+        diag = DiagonalKeys(steps - 1, q0)
+        for q, k, v in qkv[1:]:
+            diag.append(k, v)
+            outs.append(causal_plus_diagonal_attention(q, k0, v0, diag, d ** -0.5, False, name))
+        grads[name] = (outs, torch.autograd.grad(outs, leaves, dout))
+    for i, (a, b) in enumerate(zip(grads["flash"][1], grads["cudnn"][1])):
+        oa, ob = grads["flash"][0][i], grads["cudnn"][0][i]
+        print(f"  functions T={T} step {i}: out max|diff| {(oa - ob).abs().max().item():.2e}, grad rel L2 "
+              f"{((a.float() - b.float()).norm() / a.float().norm()).item():.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from eagle3.fast_kernels import kernel, rms_norm
 from eagle3.model import rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
-                              resolve_attention_kernel)
+                              kernel_inputs, resolve_attention_kernel)
 from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
@@ -125,7 +125,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
             if hkv != h:
                 key, val = key.repeat_interleave(h // hkv, dim=2), val.repeat_interleave(h // hkv, dim=2)
             if k == 0:
-                k0, v0 = key, val
+                k0, v0 = kernel_inputs(kernel_name, key, val)  # densified once for the 7 steps' calls
                 attn = causal_attention(q, key, val, scale, kernel_name)
                 diagonal = DiagonalKeys(K - 1, q)
             else:

@@ -82,11 +82,23 @@ def _causal_backward(dout, q, k, v, out, lse, state: tuple, scale: float, kernel
             dout, q, k, v, out, lse, 0.0, True, scale=scale)
     cum_q, cum_k, max_q, max_k, a, b = state
     if kernel_name == "cudnn":  # a, b = philox seed / offset; no bias (None = an undefined tensor)
-        dout = dout if dout.stride() == out.stride() else dout.transpose(1, 2).contiguous().transpose(1, 2)
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        dout, out = (t(y) for y in kernel_inputs("cudnn", t(dout), t(out)))  # the q/k/v layout (see kernel_inputs)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1), a, b, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+            dout, q, k, v, out, lse.contiguous().unsqueeze(-1), a, b, None, cum_q, cum_k, max_q, max_k, 0.0, True,
+            scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, a, b, scale=scale)
+
+
+def kernel_inputs(kernel_name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The [B,T,h,d] tensors as the kernel needs them: for cuDNN every input of forward and
+    backward (q, k, v, out, dout) a dense sequence-major tensor (a copy only where it is not one
+    already), the one layout checked against flash on the H200 (benchmarks/probe_attention_kernels.py);
+    flash takes any strides."""
+    if kernel_name != "cudnn":
+        return xs
+    return tuple(x if x.is_contiguous() else x.contiguous() for x in xs)
 
 
 class _Causal(torch.autograd.Function):
@@ -95,6 +107,7 @@ class _Causal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, kernel_name: str, q, k, v):
         t = lambda x: x.transpose(1, 2)  # noqa: E731
+        q, k, v = kernel_inputs(kernel_name, q, k, v)
         out, lse, state = _causal_forward(t(q), t(k), t(v), scale, kernel_name)
         ctx.scale, ctx.kernel_name, ctx.state = scale, kernel_name, state
         ctx.save_for_backward(q, k, v, t(out), lse)
@@ -151,6 +164,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scale: float, compiled: bool, kernel_name: str, keys, values, q, k0, v0, *diag):
+        q, k0, v0 = kernel_inputs(kernel_name, q, k0, v0)
         o0, lse0, state = _causal_forward(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2), scale,
                                           kernel_name)
         T = q.shape[1]
