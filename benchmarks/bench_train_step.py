@@ -281,7 +281,7 @@ def main(argv=None) -> list[dict]:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, autocast bf16: {autocast}, compile: {args.compile}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
           f"loss share {args.mask_frac}, trainable params {n_train / 1e6:.1f}M, attention kernel {args.attention_kernel} "
-          f"-> {resolve_attention_kernel(args.attention_kernel, device)}", flush=True)
+          f"-> {resolve_attention_kernel(args.attention_kernel, device, args.dims['head_dim'])}", flush=True)
     check, failure = None, None
     if args.check_seq_len:
         batch = make_batch(args.dims, args.batch, args.check_seq_len, draft_ids, device, mask_frac=args.mask_frac)

@@ -87,7 +87,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     weights = step_weights(K, step_decay).to(device)
-    kernel_name = resolve_attention_kernel(attention_kernel, device)
+    kernel_name = resolve_attention_kernel(attention_kernel, device, d)
 
     with torch.no_grad():
         masks = [loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)]

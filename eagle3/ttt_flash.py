@@ -16,7 +16,7 @@ diagonal terms' gradients are elementwise: p_j = e^(s_j - lse), dv_j = p_j dout,
 ds_j = p_j (dout . v_j - D), dq += ds_j k_j scale, dk_j = ds_j q scale.
 
 Kernels for block 0 (`resolve_attention_kernel`): on CUDA (bf16/fp16) "cudnn" =
-`aten._scaled_dot_product_cudnn_attention` (the default on Hopper and newer: on an H200 at 64 x 128
+`aten._scaled_dot_product_cudnn_attention` (the default on Hopper and newer at head_dim 128: on an H200 at 64 x 128
 heads it runs forward + backward 1.8x faster than flash, benchmarks/probe_attention_kernels.py) or
 "flash" = `aten._scaled_dot_product_flash_attention`, each with its own backward, which both accept
 the merged out / lse; on CPU (any float dtype, used by the tests) the CPU flash kernel. The merge
@@ -40,10 +40,11 @@ def flash_supported(q: torch.Tensor) -> bool:
 
 
 def choose_attention_kernel(choice: str, device_type: str, capability: tuple[int, int] | None,
-                            cudnn_version: int | None) -> str:
+                            cudnn_version: int | None, head_dim: int = 128) -> str:
     """The block-0 kernel for a configured choice (auto | flash | cudnn) on a device: "flash" or
-    "cudnn". auto = cuDNN on CUDA compute capability 9.0+ (Hopper and newer) with cuDNN 9+, where it
-    is the faster kernel; flash elsewhere (and always on CPU). Pure: the device facts are arguments."""
+    "cudnn". auto = cuDNN on CUDA compute capability 9.0+ (Hopper and newer) with cuDNN 9+ for
+    head_dim 128 (Kimi-K2's, the shape whose gradients were checked against flash on an H200),
+    flash elsewhere (and always on CPU). Pure: the device facts are arguments."""
     if choice not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel {choice!r}: expected one of {ATTENTION_KERNELS}")
     cudnn_ok = device_type == "cuda" and cudnn_version is not None and cudnn_version >= 90000
@@ -51,16 +52,17 @@ def choose_attention_kernel(choice: str, device_type: str, capability: tuple[int
         raise ValueError(f"attention kernel 'cudnn' needs a CUDA device with cuDNN 9+ (device {device_type}, "
                          f"cuDNN {cudnn_version})")
     if choice == "auto":
-        return "cudnn" if cudnn_ok and capability is not None and capability >= (9, 0) else "flash"
+        hopper = capability is not None and capability >= (9, 0)
+        return "cudnn" if cudnn_ok and hopper and head_dim == 128 else "flash"
     return choice
 
 
-def resolve_attention_kernel(choice: str, device: torch.device) -> str:
+def resolve_attention_kernel(choice: str, device: torch.device, head_dim: int = 128) -> str:
     """`choose_attention_kernel` for this process's `device`."""
     cuda = device.type == "cuda"
     cap = torch.cuda.get_device_capability(device) if cuda else None
     ver = torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None
-    return choose_attention_kernel(choice, device.type, cap, ver)
+    return choose_attention_kernel(choice, device.type, cap, ver, head_dim)
 
 
 def _causal_forward(q, k, v, scale: float, kernel_name: str):

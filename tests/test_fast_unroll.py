@@ -170,6 +170,11 @@ def test_attention_kernel_choice(choice, device, cap, cudnn, want):
     assert choose_attention_kernel(choice, device, cap, cudnn) == want
 
 
+def test_attention_kernel_auto_keeps_flash_for_head_dims_not_checked_on_cudnn():
+    assert choose_attention_kernel("auto", "cuda", (9, 0), 91900, head_dim=64) == "flash"
+    assert choose_attention_kernel("cudnn", "cuda", (9, 0), 91900, head_dim=64) == "cudnn"
+
+
 def test_attention_kernel_choice_rejects_unknown_names_and_cudnn_without_cuda():
     with pytest.raises(ValueError, match="expected one of"):
         choose_attention_kernel("fa3", "cuda", (9, 0), 91900)

@@ -88,7 +88,7 @@ class TrainConfig:
     precision: str = "auto"               # auto: bf16 autocast on GPU, fp32 on CPU
     unroll: str = "auto"                  # TTT unroll: fast (flash + fused, eagle3/fast_unroll.py) | reference | auto (fast on GPU)
     compile: str = "auto"                 # torch.compile the fast unroll's memory-bound pieces: auto (on GPU) | true | false
-    attention_kernel: str = "auto"        # fast unroll's causal attention: auto (cuDNN on Hopper+, else flash) | flash | cudnn
+    attention_kernel: str = "auto"        # fast unroll's causal attention: auto (cuDNN on Hopper+ at head_dim 128, else flash) | flash | cudnn
     cpu: bool = False                     # force CPU even when a GPU is present
     fsdp: bool = False                    # shard params/grads/optimizer (drafter too big per GPU)
     log_every: int = 10
