@@ -96,6 +96,18 @@ def test_device_prefetcher_on_cpu_hands_out_host_batches_once_each():
         DevicePrefetcher(iter(batches), torch.device("cpu"), depth=0)
 
 
+def test_device_prefetcher_peeks_host_batches_in_order_without_losing_or_repeating_any():
+    batches = [{"x": torch.tensor([i]), "ids": [f"s{i}"]} for i in range(7)]
+    pre = DevicePrefetcher(iter(batches), torch.device("cpu"), depth=1)
+    assert [h["ids"] for h in pre.peek_hosts(3)] == [["s0"], ["s1"], ["s2"]]
+    assert len(pre.queue) == 1 and len(pre.pending) == 2  # only `depth` batches have device copies
+    assert [h["ids"] for h in pre.peek_hosts(2)] == [["s0"], ["s1"]]  # peeking again pulls nothing new
+    assert [next(pre)[0]["ids"] for _ in range(2)] == [["s0"], ["s1"]]
+    assert [h["ids"] for h in pre.peek_hosts(4)] == [["s2"], ["s3"], ["s4"], ["s5"]]
+    assert [h["ids"] for h, _ in pre] == [[f"s{i}"] for i in range(2, 7)]
+    assert pre.peek_hosts(3) == []  # the end of the data
+
+
 def test_make_loader_without_pinning_is_a_dataloader_over_the_same_plan(world):  # noqa: F811
     from eagle3.store import HiddenStateStore
 

@@ -181,15 +181,18 @@ def run_train(config) -> Path:
         t2d = drafter.t2d.cpu()
         vocab_size = t2d.numel()
         while step < total:
-            window = [next(loader) for _ in range(config.grad_accum)]
-            position += len(window)
-            # (host batch, device batch) pairs: counts and id checks on the host copies, no device sync
-            denom = sum(step_position_counts(h["loss_mask"], h["target_argmax"], t2d, config.ttt_length) for h, _ in window)
+            # counts and id checks on the host copies (no device sync); one micro-batch on the device at a time
+            hosts = loader.peek_hosts(config.grad_accum)
+            if len(hosts) < config.grad_accum:  # the batch stream repeats epochs: only a broken reader ends
+                raise RuntimeError(f"step {step + 1}: the batch reader ended after {position + len(hosts)} micro-batches")
+            position += len(hosts)
+            denom = sum(step_position_counts(h["loss_mask"], h["target_argmax"], t2d, config.ttt_length) for h in hosts)
             denom = accelerator.reduce(denom.to(device), reduction="sum")
             # accelerate divides by grad_accum and DDP averages over ranks: undo both, the loss is already global.
             scale = float(config.grad_accum * accelerator.num_processes)
             losses = []
-            for host, mb in window:
+            for _ in hosts:
+                host, mb = next(loader)
                 _check_ids(host, vocab_size, inputs.train.dir, step + 1)
                 with accelerator.accumulate(objective):
                     try:
@@ -206,7 +209,7 @@ def run_train(config) -> Path:
             flags = accelerator.reduce(torch.stack([bad, torch.tensor(float(stats.window_tokens()), device=device)]),
                                        reduction="sum")
             if bool(flags[0] > 0):
-                where = _nonfinite_report(step + 1, [h for h, _ in window], losses, grad_norm)
+                where = _nonfinite_report(step + 1, hosts, losses, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
                 if config.on_nonfinite == "stop":
                     raise NonFiniteLossError(f"{where}; stopped without writing a checkpoint (newest intact one in "

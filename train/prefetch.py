@@ -9,6 +9,8 @@ stream (`record_stream`) so the caching allocator never reuses them early.
 
 It yields `(host_batch, device_batch)`: the host copy serves the cheap CPU-side checks and counts
 (token ids, loss positions) without a device sync. On CPU the device batch is the host batch.
+`peek_hosts(n)` shows the host copies of the next n batches without copying them to the device
+(a gradient-accumulation step counts its loss positions over all its micro-batches first).
 """
 from __future__ import annotations
 
@@ -33,20 +35,37 @@ class DevicePrefetcher:
         self.depth = depth
         self.stream: Optional[torch.cuda.Stream] = (torch.cuda.Stream(device=self.device)
                                                     if self.device.type == "cuda" else None)
-        self.queue: list[tuple[dict, dict]] = []
+        self.queue: list[tuple[dict, dict]] = []  # (host, device) pairs whose copies have started
+        self.pending: list[dict] = []  # host batches pulled ahead by peek_hosts, no device copy yet
         self._fill()
+
+    def _pull(self) -> Optional[dict]:
+        if self.pending:
+            return self.pending.pop(0)
+        return next(self.batches, None)
 
     def _fill(self) -> None:
         while len(self.queue) < self.depth:
-            try:
-                host = next(self.batches)
-            except StopIteration:
+            host = self._pull()
+            if host is None:
                 return
             if self.stream is None:
                 self.queue.append((host, host))
                 continue
             with torch.cuda.stream(self.stream):
                 self.queue.append((host, _to_device(host, self.device)))
+
+    def peek_hosts(self, n: int) -> list[dict]:
+        """The host copies of the next `n` batches (fewer at the end of the data), in the order
+        `next` will hand them out, without starting device copies beyond `depth`: a step that must
+        see all its micro-batches first (the loss denominators) holds them in pinned host memory,
+        and only `depth` + the one in use on the device."""
+        while len(self.queue) + len(self.pending) < n:
+            host = next(self.batches, None)
+            if host is None:
+                break
+            self.pending.append(host)
+        return ([h for h, _ in self.queue] + self.pending)[:n]
 
     def __iter__(self):
         return self
