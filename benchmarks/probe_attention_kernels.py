@@ -118,29 +118,15 @@ def main():
 
 def check_functions(T: int, h: int = 8, d: int = 128, steps: int = 4) -> None:
     """This repo's autograd Functions (eagle3/ttt_flash.py) with cuDNN vs flash, q/k as views of one
-    packed projection (as the fast unroll makes them): outputs and gradients of a 4-step TTT chain."""
+    packed projection (as the fast unroll makes them): the worst relative L2 difference over the
+    outputs and gradients of a 4-step TTT chain (eagle3/attention_check.py, the start-up check)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from eagle3.ttt_flash import DiagonalKeys, causal_attention, causal_plus_diagonal_attention
-    g = torch.Generator(device="cuda").manual_seed(1)
-    leaves = [torch.randn(1, T, 3 * h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-              for _ in range(steps)]
-    dout = [torch.randn(1, T, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(steps)]
-    grads = {}
-    for name in ("flash", "cudnn"):
-        qkv = [(x[:, :, :h], x[:, :, h:2 * h], x[:, :, 2 * h:]) for x in leaves]
-        (q0, k0, v0) = qkv[0]
-        outs = [causal_attention(q0, k0, v0, d ** -0.5, name)]
-        diag = DiagonalKeys(steps - 1, q0)
-        for q, k, v in qkv[1:]:
-            diag.append(k, v)
-            outs.append(causal_plus_diagonal_attention(q, k0, v0, diag, d ** -0.5, False, name))
-        grads[name] = (outs, torch.autograd.grad(outs, leaves, dout))
-    for i, (a, b) in enumerate(zip(grads["flash"][1], grads["cudnn"][1])):
-        oa, ob = grads["flash"][0][i], grads["cudnn"][0][i]
-        print(f"  functions T={T} step {i}: out max|diff| {(oa - ob).abs().max().item():.2e}, grad rel L2 "
-              f"{((a.float() - b.float()).norm() / a.float().norm()).item():.2e}", flush=True)
+    from eagle3.attention_check import kernel_disagreement
+    worst = kernel_disagreement("flash", "cudnn", torch.device("cuda"), torch.bfloat16, d, heads=h, T=T, steps=steps)
+    print(f"  functions T={T}: {steps}-step TTT chain, cuDNN vs flash, worst rel L2 over outputs and grads {worst:.2e}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from eagle3.loss import loss_positions, step_weights
 from eagle3.fast_kernels import kernel, rms_norm
 from eagle3.model import rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
-from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
-                              kernel_inputs, resolve_attention_kernel)
+from eagle3.attention_check import checked_attention_kernel
+from eagle3.ttt_flash import DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported, kernel_inputs
 from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
@@ -87,7 +87,6 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     weights = step_weights(K, step_decay).to(device)
-    kernel_name = resolve_attention_kernel(attention_kernel, device, d)
 
     with torch.no_grad():
         masks = [loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)]
@@ -101,6 +100,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
         inv_freq = rope_inv_freq(cfg, device)
 
     dt = compute_dtype(model.fc.weight)
+    kernel_name = checked_attention_kernel(attention_kernel, device, dt, d)  # cuDNN only once it matched flash here
     if aux.shape[-1] != model.fc.in_features:
         raise ValueError(f"aux width {aux.shape[-1]} != fc input {model.fc.in_features} (3 x target_hidden_size)")
     hidden = F.linear(aux.to(dt), model.fc.weight.to(dt))                 # [B, T, H] (fc, in compute dtype)

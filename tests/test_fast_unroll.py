@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eagle3 import attention_check, ttt_flash
 from eagle3 import loss as loss_module
 from eagle3.fast_kernels import diagonal_merge_backward, diagonal_merge_forward, rms_norm
 from eagle3.fast_unroll import ttt_unroll_fast
@@ -500,3 +501,53 @@ def test_tf32_context_restores_the_switch_even_on_an_error(before):
         assert torch.backends.cuda.matmul.allow_tf32 is before
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# --------------------------------------------------------------------------------------------
+# eagle3/attention_check.py
+
+
+def test_kernel_disagreement_of_a_kernel_with_itself_is_zero():
+    worst = attention_check.kernel_disagreement("flash", "flash", torch.device("cpu"), F64, 8, heads=2, T=12, steps=3)
+    assert worst == 0.0
+
+
+def test_kernel_disagreement_sees_a_backward_that_gets_dq_wrong(monkeypatch):
+    # "cudnn" on CPU runs the CPU flash kernel; break its backward's dq the way cuDNN once did
+    real = ttt_flash._causal_backward
+
+    def broken(*args):
+        dq, dk, dv = real(*args)
+        return (dq * 1.5, dk, dv) if args[-1] == "cudnn" else (dq, dk, dv)
+    monkeypatch.setattr(ttt_flash, "_causal_backward", broken)
+    worst = attention_check.kernel_disagreement("flash", "cudnn", torch.device("cpu"), F64, 8, heads=2, T=12)
+    assert worst > attention_check.TOLERANCE
+    with torch.no_grad():  # callable from validation's no_grad too
+        assert attention_check.kernel_disagreement("flash", "cudnn", torch.device("cpu"), F64, 8, heads=2, T=12) == worst
+
+
+@pytest.mark.parametrize("worst,choice,want", [(3e-3, "auto", "cudnn"), (3e-3, "cudnn", "cudnn"),
+                                               (0.5, "auto", "flash"), (0.5, "cudnn", "error")])
+def test_checked_attention_kernel_uses_cudnn_only_when_it_matched_flash(monkeypatch, worst, choice, want):
+    monkeypatch.setattr(attention_check, "resolve_attention_kernel", lambda c, dev, hd: "cudnn")
+    monkeypatch.setattr(attention_check, "_cudnn_disagreement", lambda dev, dt, hd: worst)
+    dev = torch.device("cpu")
+    if want == "error":
+        with pytest.raises(RuntimeError, match="differs from flash"):
+            attention_check.checked_attention_kernel(choice, dev, torch.bfloat16, 128)
+    elif want == "flash":
+        with pytest.warns(RuntimeWarning, match="using flash"):
+            assert attention_check.checked_attention_kernel(choice, dev, torch.bfloat16, 128) == "flash"
+    else:
+        assert attention_check.checked_attention_kernel(choice, dev, torch.bfloat16, 128) == want
+    # fp32 never reaches the kernel: no check, no warning
+    assert attention_check.checked_attention_kernel(choice, dev, torch.float32, 128) == "cudnn"
+
+
+def test_checked_attention_kernel_falls_back_when_the_check_itself_fails(monkeypatch):
+    def fails(dev, dt, hd):
+        raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+    monkeypatch.setattr(attention_check, "resolve_attention_kernel", lambda c, dev, hd: "cudnn")
+    monkeypatch.setattr(attention_check, "_cudnn_disagreement", fails)
+    with pytest.warns(RuntimeWarning, match="no valid execution plans"):
+        assert attention_check.checked_attention_kernel("auto", torch.device("cpu"), torch.bfloat16, 64) == "flash"
