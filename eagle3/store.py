@@ -20,419 +20,28 @@ A store written by several processes is a merged manifest whose shard paths poin
 `part-<rank>/` directories; every sequence carries a global `order` key and the reader sorts by it,
 so a merged store reads exactly like a one-process store over the same sequences.
 
-Imports only torch + safetensors (core code runs on the GPU machine).
+Modules: eagle3/store_format.py (constants, errors, manifest rules), eagle3/store_writer.py
+(HiddenStateWriter, merge_stores), this one (HiddenStateStore, the reader; it re-exports the rest so
+`from eagle3.store import ...` serves every name). Imports only torch + safetensors (core code runs
+on the GPU machine).
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
 
 import torch
 
-from eagle3.fp8 import FP8_DTYPE, dequantise_rows, quantise_rows
-from eagle3.manifest import atomic_write_bytes
+from eagle3.fp8 import dequantise_rows
+from eagle3.store_format import (AUX_FP8, DTYPES, HEADER_KEYS, MANIFEST, STORE_FORMAT, STORE_VERSION,
+                                 NonFiniteHiddenStateError, StoreError, StoreMismatchError, header_value,
+                                 read_store_manifest)
+from eagle3.store_writer import HiddenStateWriter, merge_stores
 from safetensors import safe_open
 
-STORE_FORMAT = "eagle3-hidden-state-store"
-STORE_VERSION = 1
-MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
-# Header keys that must agree between a resumed writer and the store on disk (and between parts).
-HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "aux_dtype",
-               "shard_tokens", "meta")
-
-
-class StoreError(RuntimeError):
-    """A store that cannot be used: missing, incomplete, corrupt, or mismatched."""
-
-
-class StoreMismatchError(StoreError):
-    """An existing store was written with different settings (target, layers, dtype, ...)."""
-
-
-class NonFiniteHiddenStateError(ValueError):
-    """A sequence whose hidden states contain NaN/inf (after the cast to the store dtype)."""
-
-    def __init__(self, seq_id: str, what: str):
-        super().__init__(f"sequence {seq_id!r}: non-finite values in {what!r} (NaN/inf after casting)")
-        self.seq_id = seq_id
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
-
-
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-              torch.uint8: "U8", torch.int64: "I64", FP8_DTYPE: "F8_E4M3"}
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write a safetensors file straight from the (host) tensors' memory, hashing as it goes (no
-    serialised copy of a multi-GB shard in memory): temp name, fsync, rename. -> (bytes, sha256)."""
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    header["__metadata__"] = metadata
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
-    blocks = [len(hb).to_bytes(8, "little"), hb] + [
-        memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors.values() if t.numel()]
-    # Hash in a second thread while this one writes: both release the GIL, so the shard costs
-    # max(hash, write) instead of their sum (each ~1 GB/s on the GPU host we measured).
-    h = hashlib.sha256()
-    hasher = threading.Thread(target=lambda: [h.update(b) for b in blocks], name="store-sha256")
-    hasher.start()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for block in blocks:
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        hasher.join()
-        os.replace(tmp, path)
-    except BaseException:
-        hasher.join()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return 8 + len(hb) + offset, h.hexdigest()
-
-
-class _ShardBuffer:
-    """The shard being filled: preallocated host tensors, pinned when CUDA is in use so that
-    device->host copies are asynchronous DMA on a side stream (overlapping the next forward)."""
-
-    def __init__(self, columns: dict[str, tuple[int, torch.dtype]], capacity: int, pinned: bool):
-        self.columns, self.pinned = columns, pinned
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.capacity = self.used = 0
-        self.seqs: list[tuple[str, int, int, int]] = []  # (id, order, length, loss tokens)
-        self.events: list = []  # CUDA events of the copies in flight
-        self._grow(capacity)
-
-    def _grow(self, capacity: int) -> None:
-        self.sync()
-        new = {k: torch.empty((capacity, w) if w else (capacity,), dtype=dt, pin_memory=self.pinned)
-               for k, (w, dt) in self.columns.items()}
-        for k, t in self.tensors.items():
-            new[k][: self.used].copy_(t[: self.used])
-        self.tensors, self.capacity = new, capacity
-
-    def put(self, values: dict[str, torch.Tensor], streams: dict) -> None:
-        T = values["input_ids"].shape[0]
-        if self.used + T > self.capacity:
-            self._grow(self.used + T)
-        for k, src in values.items():
-            dst = self.tensors[k][self.used: self.used + T]
-            if src.is_cuda and self.pinned:
-                stream = streams.setdefault(src.device, torch.cuda.Stream(src.device))
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)  # keep src's memory from reuse until the copy is done
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                self.events.append(ev)
-            else:
-                dst.copy_(src)
-        self.used += T
-
-    def sync(self) -> None:
-        for ev in self.events:
-            ev.synchronize()
-        self.events.clear()
-
-    def reset(self) -> None:
-        self.sync()
-        self.used, self.seqs = 0, []
-
-
-_HELD_LOCKS: dict[str, list] = {}  # store dir -> [lock file, owning writer's id] (this process)
-
-
-def _lock_dir(store_dir: Path, owner: int) -> None:
-    """An exclusive advisory lock on `store_dir/.lock` against a second *process* writing the same
-    store (they would interleave shards). The kernel drops it when the process dies, so a killed
-    capture never leaves it stale. Within one process a new writer takes over an abandoned one
-    (a rerun after a failed write)."""
-    import fcntl
-
-    key = str(store_dir.resolve())
-    held = _HELD_LOCKS.get(key)
-    if held is not None and not held[0].closed:
-        held[1] = owner
-        return
-    f = open(store_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise StoreError(f"{store_dir}: another process is writing this store (.lock is held); "
-                         f"two captures into one out_dir would interleave shards") from None
-    _HELD_LOCKS[key] = [f, owner]
-
-
-def _unlock_dir(store_dir: Path, owner: int) -> None:
-    """Release (and remove: a complete store needs no lock) if `owner` still holds it."""
-    key = str(store_dir.resolve())
-    held = _HELD_LOCKS.get(key)
-    if held is not None and held[1] == owner:
-        (store_dir / ".lock").unlink(missing_ok=True)
-        held[0].close()
-        del _HELD_LOCKS[key]
-
-
-def _read_store_manifest(store_dir: Path) -> dict:
-    path = store_dir / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"{store_dir}: not a hidden-state store (no {MANIFEST}); run the capture stage first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{path}: unreadable store manifest ({e})") from e
-    if manifest.get("format") != STORE_FORMAT:
-        raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
-    return manifest
-
-
-def _header_value(m: dict, key: str):
-    if key == "aux_dtype":  # stores written before aux_dtype existed hold aux in `dtype`
-        return m.get("aux_dtype") or m.get("dtype")
-    return m.get(key)
-
-
-def _header_diff(a: dict, b: dict) -> list[str]:
-    return [f"{k}: {_header_value(a, k)!r} != {_header_value(b, k)!r}" for k in HEADER_KEYS
-            if _header_value(a, k) != _header_value(b, k)]
-
-
-class HiddenStateWriter:
-    """Append sequences; every `shard_tokens` tokens a shard is committed. Re-opening a directory
-    with a store in it resumes: `done_ids` are the sequences already committed (in shards, or
-    recorded as skipped); anything not in the manifest is deleted and must be re-added."""
-
-    def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
-                 aux_layer_ids: list[int], hf_indices: list[int], dtype: str = "bfloat16",
-                 aux_dtype: str | None = None, shard_tokens: int = 8192, meta: dict | None = None,
-                 background: bool = False):
-        if dtype not in DTYPES:
-            raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-        aux_dtype = aux_dtype or dtype
-        if aux_dtype not in (dtype, AUX_FP8):
-            raise ValueError(f"store aux_dtype {aux_dtype!r}: expected null (= dtype {dtype!r}) or {AUX_FP8!r}")
-        if shard_tokens < 1:
-            raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        _lock_dir(self.dir, id(self))  # held until finish() (or process exit, even on SIGKILL)
-        self.torch_dtype = DTYPES[dtype]
-        self.aux_fp8 = aux_dtype == AUX_FP8
-        self.aux_width = len(aux_layer_ids) * target_hidden_size
-        self.aux_rows = (len(aux_layer_ids), target_hidden_size)  # fp8 scales: one per (token, layer) row
-        self.hidden_size = hidden_size
-        header = {"hidden_size": hidden_size, "target_hidden_size": target_hidden_size,
-                  "aux_layer_ids": list(aux_layer_ids), "hf_indices": list(hf_indices), "dtype": dtype,
-                  "aux_dtype": aux_dtype, "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
-        self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
-                         "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
-        if (self.dir / MANIFEST).is_file():
-            old = _read_store_manifest(self.dir)
-            diff = _header_diff(old, header)
-            if diff:
-                raise StoreMismatchError(f"{self.dir}: an existing store was written with other settings; "
-                                         f"refusing to mix ({'; '.join(diff)}). Use a fresh out_dir or delete it.")
-            self.manifest = old
-        self._discard_unlisted_files()
-        self._pending: dict[str, None] = {}  # ids of the sequences buffered for the next shard (ordered)
-        self._pending_skips: list[dict] = []
-        self._pending_tokens = 0
-        self.done_ids: set[str] = {i for s in self.manifest["shards"] for i in s["ids"]}
-        self.done_ids |= {s["id"] for s in self.manifest["skipped"]}
-        self._next_order = max((o for s in self.manifest["shards"] for o in s["order"]), default=-1) + 1
-        # background=True: shards are concatenated, hashed and written by one worker thread while
-        # the caller computes the next batch (at most one shard in flight, so memory stays bounded).
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") if background else None
-        self._inflight: Future | None = None
-        self._columns = {"aux": (self.aux_width, FP8_DTYPE if self.aux_fp8 else self.torch_dtype),
-                         "last": (hidden_size, self.torch_dtype),
-                         "input_ids": (0, torch.int32), "loss_mask": (0, torch.uint8), "target_argmax": (0, torch.int32)}
-        if self.aux_fp8:
-            self._columns["aux_scale"] = (len(aux_layer_ids), torch.float32)
-        self._buffers: list[_ShardBuffer] = []  # allocated at the first add (two: fill one, write the other)
-        self._buf: _ShardBuffer | None = None
-        self._last_written: _ShardBuffer | None = None
-        self._streams: dict = {}
-
-    def _discard_unlisted_files(self) -> None:
-        """Temp files and shards renamed but never listed (killed between rename and manifest)."""
-        listed = {s["file"] for s in self.manifest["shards"]}
-        for p in self.dir.iterdir():
-            if p.is_file() and ((p.name.startswith(".shard-") and p.name.endswith(".tmp"))
-                                or (p.name.startswith("shard-") and p.name not in listed)):
-                p.unlink()
-
-    def add(self, seq_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-            last: torch.Tensor, target_argmax: torch.Tensor, *, order: int | None = None,
-            check_finite: bool = True) -> None:
-        """Buffer one sequence (T tokens). `order` is its global position (multi-process capture);
-        by default sequences are ordered as added. Raises NonFiniteHiddenStateError (nothing is
-        buffered) when aux/last hold NaN/inf after the cast to the store dtype; a caller that checked
-        that already (on the GPU, where it is cheap) passes check_finite=False."""
-        seq_id = str(seq_id)
-        if seq_id in self.done_ids or seq_id in self._pending:
-            raise StoreError(f"{self.dir}: sequence {seq_id!r} added twice")
-        T = int(input_ids.shape[0])
-        expect = {"input_ids": (T,), "loss_mask": (T,), "aux": (T, self.aux_width),
-                  "last": (T, self.hidden_size), "target_argmax": (T,)}
-        got = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": aux, "last": last, "target_argmax": target_argmax}
-        for name, shape in expect.items():
-            if tuple(got[name].shape) != shape:
-                raise StoreError(f"sequence {seq_id!r}: {name} has shape {tuple(got[name].shape)}, expected {shape}")
-        if T == 0:
-            raise StoreError(f"sequence {seq_id!r}: empty sequence")
-        aux, last = aux.detach().to(self.torch_dtype), last.detach().to(self.torch_dtype)
-        for name, t in (("aux", aux), ("last", last)) if check_finite else ():
-            if not bool(torch.isfinite(t).all()):
-                raise NonFiniteHiddenStateError(seq_id, name)
-        # A shard holds at most shard_tokens tokens (unless one sequence alone is longer).
-        if self._pending_tokens and self._pending_tokens + T > self.manifest["shard_tokens"]:
-            self._flush()
-        if self._buf is None:
-            self._buf = self._take_buffer(aux.is_cuda)
-        order = self._next_order if order is None else int(order)
-        mask = loss_mask.detach().to("cpu", torch.uint8)
-        values = {"aux": aux, "last": last, "input_ids": input_ids.detach().to("cpu", torch.int32),
-                  "loss_mask": mask, "target_argmax": target_argmax.detach().to("cpu", torch.int32)}
-        if self.aux_fp8:  # on aux's device (cheap on the GPU), from the finite store-dtype values
-            codes, scale = quantise_rows(aux.reshape(T, *self.aux_rows))
-            values["aux"], values["aux_scale"] = codes.reshape(T, self.aux_width), scale
-        self._buf.put(values, self._streams)
-        self._buf.seqs.append((seq_id, order, T, int(mask.sum())))
-        self._pending[seq_id] = None
-        self._next_order = max(self._next_order, order) + 1
-        self._pending_tokens += T
-
-    def _take_buffer(self, cuda: bool) -> _ShardBuffer:
-        """A free shard buffer: a new one while there are fewer than two, else the one not in flight
-        (never waits: the shard in flight is written while this one fills)."""
-        if len(self._buffers) < 2:
-            self._buffers.append(_ShardBuffer(self._columns, self.manifest["shard_tokens"],
-                                              pinned=cuda and torch.cuda.is_available()))
-            return self._buffers[-1]
-        # The other buffer is the one in flight (or already written); this one's write finished
-        # before that one was submitted (_flush waits for the previous job first).
-        buf = self._buffers[0] if self._buffers[1] is self._last_written else self._buffers[1]
-        buf.reset()
-        return buf
-
-    def skip(self, seq_id: str, reason: str) -> None:
-        """Record a sequence that will not be stored (committed with the next shard, so a resumed
-        run treats it as done exactly when it would treat its neighbours as done)."""
-        self._pending_skips.append({"id": str(seq_id), "reason": reason})
-
-    def _flush(self) -> None:
-        if not self._pending and not self._pending_skips:
-            return
-        job = (self._buf if self._pending else None, self._pending_skips)
-        self.done_ids.update(self._pending)
-        self.done_ids.update(s["id"] for s in self._pending_skips)
-        self._pending, self._pending_skips, self._pending_tokens = {}, [], 0
-        if job[0] is not None:
-            self._last_written, self._buf = job[0], None
-        if self._worker is None:
-            self._commit(*job)
-        else:
-            self._wait()
-            self._inflight = self._worker.submit(self._commit, *job)
-
-    def _wait(self) -> None:
-        """Wait for the shard in flight; its exception (disk full, ...) surfaces here."""
-        if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
-            fut.result()
-
-    def _commit(self, buf: _ShardBuffer | None, skips: list[dict]) -> None:
-        """Write one shard (temp name, fsync, rename), then the manifest that lists it."""
-        shards = self.manifest["shards"]
-        self.manifest["complete"] = False
-        if buf is not None:
-            buf.sync()  # device->host copies done
-            ids = [q[0] for q in buf.seqs]
-            lengths = [q[2] for q in buf.seqs]
-            offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-            offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-            tensors = {k: t[: buf.used] for k, t in buf.tensors.items()}
-            tensors["offsets"] = offsets
-            name = f"shard-{len(shards):05d}.safetensors"
-            nbytes, sha = _write_shard(self.dir / name, tensors, {"ids": json.dumps(ids)})
-            shards.append({"file": name, "bytes": nbytes, "sha256": sha, "num_tokens": buf.used,
-                           "loss_tokens": sum(q[3] for q in buf.seqs), "ids": ids, "lengths": lengths,
-                           "order": [q[1] for q in buf.seqs]})
-        self.manifest["skipped"].extend(skips)
-        self.manifest["num_sequences"] = sum(len(s["ids"]) for s in shards)
-        self.manifest["num_tokens"] = sum(s["num_tokens"] for s in shards)
-        self.manifest["num_loss_tokens"] = sum(s["loss_tokens"] for s in shards)
-        _write_json(self.dir / MANIFEST, self.manifest)
-
-    def finish(self, **extra: Any) -> dict:
-        """Commit the last partial shard and mark the store complete; `extra` fields (counts,
-        reports) go into the manifest. Returns the manifest."""
-        self._flush()
-        self._wait()
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
-        self.manifest.update(json.loads(json.dumps(extra)))
-        self.manifest["complete"] = True
-        _write_json(self.dir / MANIFEST, self.manifest)
-        _unlock_dir(self.dir, id(self))
-        return self.manifest
-
-
-def merge_stores(out_dir: str | Path, part_dirs: Iterable[str | Path], **extra: Any) -> dict:
-    """Write `out_dir/manifest.json` listing the shards of complete part stores (which must lie
-    under out_dir and share one header). The shards stay where they are."""
-    out_dir = Path(out_dir)
-    parts = [Path(p) for p in part_dirs]
-    merged: dict | None = None
-    seen: dict[str, Path] = {}
-    for part in parts:
-        m = _read_store_manifest(part)
-        if not m.get("complete"):
-            raise StoreError(f"{part}: part store is not complete; its capture process did not finish")
-        rel = part.resolve().relative_to(out_dir.resolve())
-        if merged is None:
-            merged = {**m, "shards": [], "skipped": [], "parts": []}
-        elif diff := _header_diff(merged, m):
-            raise StoreMismatchError(f"{part}: part written with other settings than {parts[0]} ({'; '.join(diff)})")
-        for s in m["shards"]:
-            for i in s["ids"]:
-                if i in seen:
-                    raise StoreError(f"sequence {i!r} is in both {seen[i]} and {part}")
-                seen[i] = part
-            merged["shards"].append({**s, "file": f"{rel.as_posix()}/{s['file']}"})
-        merged["skipped"].extend(m["skipped"])
-        merged["parts"].append(rel.as_posix())
-    if merged is None:
-        raise StoreError(f"{out_dir}: no part stores to merge")
-    merged["num_sequences"] = sum(len(s["ids"]) for s in merged["shards"])
-    merged["num_tokens"] = sum(s["num_tokens"] for s in merged["shards"])
-    merged["num_loss_tokens"] = sum(s["loss_tokens"] for s in merged["shards"])
-    merged.update(json.loads(json.dumps(extra)))
-    merged["complete"] = True
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / MANIFEST, merged)
-    return merged
+__all__ = ["HiddenStateStore", "HiddenStateWriter", "merge_stores", "StoreError", "StoreMismatchError",
+           "NonFiniteHiddenStateError", "AUX_FP8", "DTYPES", "HEADER_KEYS", "MANIFEST", "STORE_FORMAT",
+           "STORE_VERSION", "read_store_manifest"]
 
 
 class HiddenStateStore:
@@ -448,7 +57,7 @@ class HiddenStateStore:
         if verify not in ("size", "sha256", "none"):
             raise ValueError(f"verify={verify!r}: expected 'size', 'sha256' or 'none'")
         self.dir = Path(store_dir)
-        self.manifest = _read_store_manifest(self.dir)
+        self.manifest = read_store_manifest(self.dir)
         if not self.manifest.get("complete") and not allow_incomplete:
             raise StoreError(f"{self.dir}: store is incomplete ({len(self.manifest['shards'])} shards so far); "
                              f"rerun the capture stage to finish it")
@@ -486,7 +95,7 @@ class HiddenStateStore:
     aux_layer_ids = property(lambda self: list(self.manifest["aux_layer_ids"]))
     hf_indices = property(lambda self: list(self.manifest["hf_indices"]))
     dtype = property(lambda self: self.manifest["dtype"])
-    aux_dtype = property(lambda self: _header_value(self.manifest, "aux_dtype"))
+    aux_dtype = property(lambda self: header_value(self.manifest, "aux_dtype"))
     meta = property(lambda self: self.manifest["meta"])
     num_tokens = property(lambda self: int(self.manifest["num_tokens"]))
 

@@ -1,0 +1,58 @@
+"""The hidden-state store's format: the constants, errors and manifest rules that the writer
+(eagle3/store_writer.py) and the reader (eagle3/store.py) share. The layout is described in
+eagle3/store.py. Imports only torch (core code)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+STORE_FORMAT = "eagle3-hidden-state-store"
+STORE_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
+# Header keys that must agree between a resumed writer and the store on disk (and between parts).
+HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "aux_dtype",
+               "shard_tokens", "meta")
+
+
+class StoreError(RuntimeError):
+    """A store that cannot be used: missing, incomplete, corrupt, or mismatched."""
+
+
+class StoreMismatchError(StoreError):
+    """An existing store was written with different settings (target, layers, dtype, ...)."""
+
+
+class NonFiniteHiddenStateError(ValueError):
+    """A sequence whose hidden states contain NaN/inf (after the cast to the store dtype)."""
+
+    def __init__(self, seq_id: str, what: str):
+        super().__init__(f"sequence {seq_id!r}: non-finite values in {what!r} (NaN/inf after casting)")
+        self.seq_id = seq_id
+
+
+def read_store_manifest(store_dir: Path) -> dict:
+    path = store_dir / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{store_dir}: not a hidden-state store (no {MANIFEST}); run the capture stage first")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: unreadable store manifest ({e})") from e
+    if manifest.get("format") != STORE_FORMAT:
+        raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+    return manifest
+
+
+def header_value(m: dict, key: str):
+    if key == "aux_dtype":  # stores written before aux_dtype existed hold aux in `dtype`
+        return m.get("aux_dtype") or m.get("dtype")
+    return m.get(key)
+
+
+def header_diff(a: dict, b: dict) -> list[str]:
+    return [f"{k}: {header_value(a, k)!r} != {header_value(b, k)!r}" for k in HEADER_KEYS
+            if header_value(a, k) != header_value(b, k)]
