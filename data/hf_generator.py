@@ -1,0 +1,111 @@
+"""Regeneration's `hf` backend: batched chat generation with the target loaded locally (also what
+data/openai_server.py serves)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from data.regen_common import ROUND_TRIP, GenerationFailed, RegenerateError
+from data.round_trip import last_segment, round_trip_len, round_trip_stop
+
+
+class HFGenerator:
+    """Batched chat generation with a loaded HF target: left-padded prompts rendered with the
+    tokenizer's chat template (`add_generation_prompt=True`), stopping at the template's
+    end-of-turn (`<|im_end|>` when the vocab has it) or the tokenizer's eos.
+
+    `cut_at_round_trip`: an answer is kept (and generated) only as far as its text re-tokenizes to
+    the generated tokens (data/round_trip.py), finish reason `round_trip` where it was cut; the
+    stored text is then exactly the target's greedy tokens."""
+
+    def __init__(self, model, tokenizer, *, temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 256,
+                 seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False):
+        import torch
+
+        self.model, self.tok = model, tokenizer
+        self.cut_at_round_trip = cut_at_round_trip
+        self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
+        self.max_positions = max_positions
+        stop = {tokenizer.eos_token_id}
+        vocab = tokenizer.get_vocab()
+        end_turn = vocab.get("<|im_end|>")
+        self.end_think = vocab.get("</think>")  # thinking models: reasoning ends here
+        stop.add(end_turn)
+        self.stop_ids = sorted(i for i in stop if i is not None)
+        if not self.stop_ids:
+            raise RegenerateError("the tokenizer has neither an eos token nor <|im_end|>: generation could not stop")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self._device = next(model.parameters()).device
+        self._torch = torch
+
+    @classmethod
+    def from_target(cls, target, tokenizer, regen_conf) -> "HFGenerator":
+        from eagle3.target_io import load_target
+
+        model, text_config = load_target(target.path, target.layout, dtype=target.dtype, device_map=target.device_map,
+                                         trust_remote_code=target.trust_remote_code)
+        return cls(model, tokenizer, temperature=regen_conf.temperature, top_p=regen_conf.top_p,
+                   max_new_tokens=regen_conf.max_new_tokens, seed=regen_conf.seed,
+                   max_positions=text_config.get("max_position_embeddings"),
+                   cut_at_round_trip=regen_conf.cut_at_round_trip)
+
+    def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None) -> list[tuple[str, str, Optional[str]]]:
+        """(text, finish_reason "stop" | "length", reasoning or None) per message list."""
+        torch = self._torch
+        max_new = max_new_tokens or self.max_new_tokens
+        temp = self.temperature if temperature is None else temperature
+        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        longest = max(len(x) for x in ids)
+        if self.max_positions and longest + max_new > self.max_positions:
+            raise GenerationFailed(f"prompt of {longest} tokens + {max_new} new exceeds the target's "
+                                   f"{self.max_positions} positions")
+        batch = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(batch)
+        for i, x in enumerate(ids):  # left padding: every prompt ends at the last column
+            batch[i, longest - len(x):] = torch.tensor(x)
+            attn[i, longest - len(x):] = 1
+        kwargs = dict(do_sample=temp > 0, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        if temp > 0:
+            kwargs.update(temperature=temp, top_p=self.top_p if top_p is None else top_p)
+            torch.manual_seed(self.seed if seed is None else seed)
+        if self.cut_at_round_trip:
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [round_trip_stop(self.tok, longest, self.stop_ids, self.end_think)])
+        with torch.no_grad():
+            out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device), **kwargs)
+        results = []
+        for row in out[:, longest:].tolist():
+            stop_at = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
+            reason = "length" if stop_at is None else "stop"
+            row = row if stop_at is None else row[:stop_at]
+            if self.cut_at_round_trip:
+                row, reason = self._cut_row(row, reason)
+            reasoning, answer = split_reasoning(row, self.end_think)
+            decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+            results.append((decode(answer), reason, decode(reasoning) if reasoning is not None else None))
+        return results
+
+    def _cut_row(self, row: list[int], reason: str) -> tuple[list[int], str]:
+        """The row up to where its last segment (the answer, or the reasoning still open) stops
+        surviving the round trip; rows stopped by `round_trip_stop` end in padding, dropped here."""
+        if reason == "length":
+            while row and row[-1] == self.pad_id:
+                row = row[:-1]
+        seg = last_segment(row, self.end_think)
+        keep = round_trip_len(self.tok, seg)
+        if keep == len(seg):
+            return row, reason
+        return row[: len(row) - len(seg) + keep], ROUND_TRIP
+
+
+def split_reasoning(ids: list[int], end_think: Optional[int]) -> tuple[Optional[list[int]], list[int]]:
+    """(reasoning ids or None, answer ids): a generation that closes a thinking block (the
+    prompt of a thinking template ends with `<think>`) is split at its last `</think>`."""
+    if end_think is None or end_think not in ids:
+        return None, ids
+    j = len(ids) - 1 - ids[::-1].index(end_think)
+    return ids[:j], ids[j + 1:]
