@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 STORE_FORMAT = "eagle3-hidden-state-store"
-STORE_VERSION = 1
+STORE_VERSION = 1  # raise when a reader of today would misread a new store; readers refuse newer versions
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
@@ -44,6 +44,10 @@ def read_store_manifest(store_dir: Path) -> dict:
         raise StoreError(f"{path}: unreadable store manifest ({e})") from e
     if manifest.get("format") != STORE_FORMAT:
         raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+    version = manifest.get("version", 1)
+    if not isinstance(version, int) or version > STORE_VERSION:
+        raise StoreError(f"{path}: store format version {version!r}, this code reads up to {STORE_VERSION}; "
+                         f"update eagle3 (a newer writer made it) or recapture")
     return manifest
 
 

@@ -250,3 +250,19 @@ def test_cuda_states_go_through_pinned_async_copies_exactly(tmp_path, background
         rec = store[i]
         aux, last, ids = expect[rec["id"]]
         assert torch.equal(rec["aux"], aux) and torch.equal(rec["last"], last) and torch.equal(rec["input_ids"], ids)
+
+
+def test_a_store_from_a_newer_format_version_is_refused_by_reader_and_writer(tmp_path):
+    d = tmp_path / "s"
+    write_all(d)
+    path = d / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["version"] == 1
+    assert len(HiddenStateStore(d)) > 0
+    m["version"] = 2  # e.g. a future aux encoding this reader would misread
+    path.write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="version 2, this code reads up to 1"):
+        HiddenStateStore(d)
+    with pytest.raises(StoreError, match="version 2"):
+        writer(d)  # resuming into it is refused too, before anything is deleted
+    assert json.loads(path.read_text())["version"] == 2 and shard_bytes(d)
