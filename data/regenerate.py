@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from data.chat_client import ChatClient
 from data.hf_generator import HFGenerator, split_reasoning
-from data.prepare import Conversation, SkipCounter
+from data.conversations import Conversation, SkipCounter
 from data.regen_common import PAST_MAX_LENGTH, ROUND_TRIP, GenerationFailed, RegenerateError
 
 __all__ = ["ChatClient", "GenerationFailed", "HFGenerator", "PAST_MAX_LENGTH", "ROUND_TRIP", "RegenStore",

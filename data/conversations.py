@@ -1,0 +1,160 @@
+"""Prepare's records: raw conversation records (ShareGPT / OpenAI messages) -> validated
+`Conversation`s, every dropped record counted by reason (`SKIP_REASONS`)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+# ShareGPT / OpenAI role names -> chat template roles.
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "system": "system",
+}
+
+# Every reason a record can be skipped for, in the order the summary lists them.
+SKIP_REASONS = (
+    "malformed",  # a line / element that is not valid JSON (or UTF-8)
+    "not_a_conversation",  # valid JSON, but no list of messages under `conversations` / `messages`
+    "empty_conversation",  # no messages, or only empty ones
+    "no_assistant_turn",
+    "unknown_role",
+    "non_string_content",
+    "duplicate_id",
+    "too_long",  # nothing trainable fits in max_length (or on_overlong=skip and it is longer)
+    "template_error",  # the chat template raised on this conversation
+    "template_not_prefix_stable",  # the loss mask cannot be derived from the template (see module doc)
+    "regen_failed",  # regeneration gave up on this conversation (after retries)
+)
+
+
+class PrepareError(RuntimeError):
+    """The prepare stage cannot produce a usable dataset; the message says why."""
+
+
+class Skip(Exception):
+    """A record that is dropped, with its counted reason and a human-readable detail."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in SKIP_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Conversation:
+    """A validated conversation: template roles, string contents, ends with an assistant turn."""
+    id: str
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    location: str = ""  # where it came from (file:line), for messages
+
+    @property
+    def assistant_indices(self) -> list[int]:
+        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+
+
+@dataclass
+class SkipCounter:
+    """Skipped records by reason, with the first few examples of each (location + detail)."""
+    max_examples: int = 5
+    counts: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def add(self, reason: str, location: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < self.max_examples:
+            ex.append(f"{location}: {detail}" if detail else location)
+
+    def as_dict(self) -> dict:
+        return {r: self.counts.get(r, 0) for r in SKIP_REASONS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _content_text(content: Any, k: int) -> str:
+    """A message's content as a string. OpenAI-style lists of text parts are joined; anything
+    else that is not a string (null, numbers, images, dicts) is a `non_string_content` skip."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise Skip("non_string_content", f"message {k} has content of type {type(content).__name__}")
+
+
+def conversation_from_record(value: Any, fallback_id: str, location: str = "") -> tuple[Conversation, int]:
+    """Validate one raw record (ShareGPT `{"id", "conversations": [{"from", "value"}]}` or
+    OpenAI-style `{"id", "messages": [{"role", "content"}]}`) into a Conversation.
+
+    Messages after the last assistant turn, and assistant turns before the first user/system
+    message, are dropped (no loss / no prompt). Returns the conversation and the number of
+    messages dropped; raises Skip for a bad record."""
+    if not isinstance(value, dict):
+        raise Skip("not_a_conversation", f"record is a {type(value).__name__}, not an object")
+    turns = value.get("conversations", value.get("messages"))
+    if turns is None:
+        raise Skip("not_a_conversation", f"no 'conversations' or 'messages' key (keys: {sorted(value)[:8]})")
+    if not isinstance(turns, list):
+        raise Skip("not_a_conversation", f"'conversations' is a {type(turns).__name__}, not a list")
+    raw_id = value.get("id")
+    conv_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) != "" else fallback_id
+    messages = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise Skip("not_a_conversation", f"message {k} is a {type(turn).__name__}, not an object")
+        role = turn.get("from", turn.get("role"))
+        if not isinstance(role, str) or role.strip().lower() not in ROLE_MAP:
+            raise Skip("unknown_role", f"message {k} has role {role!r}")
+        content = turn["value"] if "value" in turn else turn.get("content")
+        messages.append({"role": ROLE_MAP[role.strip().lower()], "content": _content_text(content, k)})
+    if not messages or all(not m["content"].strip() for m in messages):
+        raise Skip("empty_conversation", f"{len(messages)} messages, none with text")
+    # Assistant turns before any user/system message answer nothing the model can see (ShareGPT
+    # splits long chats into parts that start mid-way): they are dropped like trailing turns.
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > lead]
+    if not assistant:
+        raise Skip("no_assistant_turn", f"roles: {[m['role'] for m in messages][:8]}")
+    dropped = lead + len(messages) - 1 - assistant[-1]
+    return Conversation(conv_id, messages[lead: assistant[-1] + 1], location), dropped
+
+
+@dataclass
+class ReadInfo:
+    """What reading the input found, besides the conversations themselves."""
+    stats: Any = None  # data.corpus.ReadStats
+    records: int = 0  # raw records looked at (good + malformed)
+    trailing_dropped: int = 0  # messages after the last assistant turn (or leading assistant turns), dropped
+
+
+def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Optional[int] = None):
+    """Yield validated Conversations from a JSON / JSONL file or HF dataset dir, counting
+    every dropped record in `skips` and the totals in `info`."""
+    from data.corpus import ReadStats, iter_raw_records
+
+    info.stats, seen = ReadStats(), set()
+    name = Path(path).name
+    for rec in iter_raw_records(path, info.stats):
+        if max_records is not None and info.records >= max_records:
+            break
+        info.records += 1
+        if rec.error is not None:
+            skips.add("malformed", rec.location, rec.error)
+            continue
+        try:
+            conv, dropped = conversation_from_record(rec.value, f"{name}:{rec.index}", rec.location)
+        except Skip as s:
+            skips.add(s.reason, rec.location, s.detail)
+            continue
+        if conv.id in seen:
+            skips.add("duplicate_id", rec.location, f"id {conv.id!r} seen before")
+            continue
+        seen.add(conv.id)
+        info.trailing_dropped += dropped
+        yield conv
