@@ -31,7 +31,7 @@ from torch import nn
 from eagle3.fused_ce import linear_soft_cross_entropy
 from eagle3.loss import loss_positions, step_weights
 from eagle3.fast_kernels import kernel, rms_norm
-from eagle3.model import rope_cos_sin, rope_inv_freq
+from eagle3.model import check_aux_width, rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.attention_check import checked_attention_kernel
 from eagle3.ttt_flash import DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported, kernel_inputs
@@ -101,8 +101,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
 
     dt = compute_dtype(model.fc.weight)
     kernel_name = checked_attention_kernel(attention_kernel, device, dt, d)  # cuDNN only once it matched flash here
-    if aux.shape[-1] != model.fc.in_features:
-        raise ValueError(f"aux width {aux.shape[-1]} != fc input {model.fc.in_features} (3 x target_hidden_size)")
+    check_aux_width(aux, model.fc)
     hidden = F.linear(aux.to(dt), model.fc.weight.to(dt))                 # [B, T, H] (fc, in compute dtype)
     w = _Weights(model, dt)
     layer = model.midlayer

@@ -39,6 +39,12 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def check_aux_width(aux: torch.Tensor, fc: nn.Linear) -> None:
+    """The captured states' width must be fc's input (len(aux layers) x target_hidden_size)."""
+    if aux.shape[-1] != fc.in_features:
+        raise ValueError(f"aux width {aux.shape[-1]} != fc input {fc.in_features} (3 x target_hidden_size)")
+
+
 @dataclass
 class DrafterConfig:
     """The drafter's `config.json` (SGLang / SpecForge / AQ-MedAI layout) as a dataclass."""
@@ -296,8 +302,7 @@ class Eagle3Drafter(nn.Module):
     # --- the step API (training unroll and inference) -------------------------------------
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B,T,3*target_H] (the captured states, concatenated) -> step-0 hidden [B,T,H]."""
-        if aux.shape[-1] != self.fc.in_features:
-            raise ValueError(f"aux width {aux.shape[-1]} != fc input {self.fc.in_features} (3 x target_hidden_size)")
+        check_aux_width(aux, self.fc)
         return self.fc(aux.to(self.fc.weight.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,

@@ -442,6 +442,15 @@ def test_fast_unroll_rejects_an_attention_mask():
                         attention_mask=torch.ones_like(batch["loss_mask"]))
 
 
+@pytest.mark.parametrize("unroll", [ttt_unroll, ttt_unroll_fast])
+def test_both_unrolls_refuse_aux_of_another_width(unroll):
+    model, batch, rows = unroll_case(T=8)
+    args = list(unroll_args(model, batch, rows))
+    args[1] = torch.cat([args[1], args[1][..., :1]], dim=-1)  # one column too many: another target's states
+    with pytest.raises(ValueError, match=r"aux width \d+ != fc input"):
+        unroll(*args, 3)
+
+
 def test_fast_unroll_names_a_cudnn_kernel_it_cannot_use():
     model, batch, rows = unroll_case(T=8)
     with pytest.raises(ValueError, match="cudnn"):
