@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from data.chat_client import ChatClient
-from data.hf_generator import HFGenerator, split_reasoning
 from data.conversations import Conversation, SkipCounter
+from data.hf_generator import HFGenerator, split_reasoning
 from data.regen_common import PAST_MAX_LENGTH, ROUND_TRIP, GenerationFailed, RegenerateError
 
 __all__ = ["ChatClient", "GenerationFailed", "HFGenerator", "PAST_MAX_LENGTH", "ROUND_TRIP", "RegenStore",

@@ -1,8 +1,8 @@
 """The TTT unroll, fast: the same function as `eagle3.unroll.ttt_unroll`, computed with less work.
 
 What differs from the reference unroll (which steps the drafter module as inference does):
-  * Attention: step 0 is one causal flash (or cuDNN) call; steps 1..6 are a causal flash call over the step-0
-    keys merged by log-sum-exp with the per-position diagonal keys (eagle3/ttt_flash.py): no
+  * Attention: step 0 is one causal call (cuDNN or flash, eagle3/ttt_flash.py); steps 1..6 are a causal
+    call over the step-0 keys merged by log-sum-exp with the per-position diagonal keys: no
     T x T score matrix, no mask, and the attention FLOPs of a causal call per step.
   * The embedding half of q/k/v is computed once per batch. The layer's q/k/v read
     [input_layernorm(embed(x_{t+k+1})), hidden_norm(h_t)]; the first half at step k is step 0's
@@ -34,7 +34,8 @@ from eagle3.fast_kernels import kernel, rms_norm
 from eagle3.model import check_aux_width, rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.attention_check import checked_attention_kernel
-from eagle3.ttt_flash import DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported, kernel_inputs
+from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
+                              kernel_inputs)
 from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
@@ -125,7 +126,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                 key, val = key.repeat_interleave(h // hkv, dim=2), val.repeat_interleave(h // hkv, dim=2)
             if k == 0:
                 k0, v0 = kernel_inputs(kernel_name, key, val)  # densified once for the 7 steps' calls
-                attn = causal_attention(q, key, val, scale, kernel_name)
+                attn = causal_attention(q, k0, v0, scale, kernel_name)
                 diagonal = DiagonalKeys(K - 1, q)
             else:
                 diagonal.append(key, val)
