@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--check-seq-len", type=int, default=1024,
                    help="T of the fast-vs-reference loss/gradient check (0 = skip)")
     p.add_argument("--profile-seq-len", type=int, default=0, help="profile one fast step at this T (0 = no)")
+    p.add_argument("--profile-shapes", action="store_true", help="the profile also lists aten ops by input shape")
     p.add_argument("--store-seq-lens", default="",
                    help="also time the fast step fed from a real hidden-state store at these T (comma-separated): "
                         "a reader thread into pinned memory + side-stream prefetch, as train/loop.py runs it")
@@ -186,18 +187,60 @@ def grad_check(objective, rows, batch, params, amp) -> dict:
     return {"truth_loss": loss_t, "reference": ref, "fast": fast, "worse_than_reference": worse}
 
 
-def profile_step(objective, rows, batch, amp, top: int = 45) -> str:
+KERNEL_KINDS = (  # (category, substrings of a CUDA kernel's name), first match wins
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+    ("attention", ("cudnn", "flash", "fmha", "attention")),
+    ("compiled (triton)", ("triton",)),
+    ("copy / fill", ("memcpy", "memset", "copy", "fill", "cat", "index")),
+    ("reduction", ("reduce",)),
+    ("elementwise (eager)", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_table(prof, top: int) -> str:
+    """CUDA kernels of a profile: per category, then the `top` kernels by total time (ms)."""
+    rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+            if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
+    total = sum(r[2] for r in rows)
+    kinds: dict[str, float] = {}
+    for name, _, ms in rows:
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    lines = [f"GPU kernel time {total:.1f} ms"]
+    lines += [f"  {k:22s} {v:8.1f} ms  {v / total:6.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines.append(f"  {'ms':>8} {'calls':>6}  kernel (top {top})")
+    for name, count, ms in sorted(rows, key=lambda r: -r[2])[:top]:
+        lines.append(f"  {ms:8.2f} {count:6d}  [{kernel_kind(name)}] {name[:150]}")
+    return "\n".join(lines)
+
+
+def profile_step(objective, rows, batch, amp, top: int = 60, shapes: bool = False) -> str:
+    """Kernel time of one fast step: the forward (with the loss) alone, then forward + backward;
+    shapes: also the aten ops of the full step by input shape (where the eager kernels come from)."""
     from torch.profiler import ProfilerActivity, profile
 
     objective.impl = "fast"
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with amp:
-            out = objective(batch, rows)
-        out.loss.backward()
-        torch.cuda.synchronize()
-    for p in objective.parameters():
-        p.grad = None
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+    parts = []
+    for label, backward in (("forward + loss", False), ("forward + loss + backward", True)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
+            with amp:
+                out = objective(batch, rows)
+            if backward:
+                out.loss.backward()
+            torch.cuda.synchronize()
+        del out
+        for p in objective.parameters():
+            p.grad = None
+        parts.append(f"== profile: {label} ==\n" + kernel_table(prof, top if backward else top // 2))
+        if shapes and backward:
+            parts.append(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=40, max_shapes_column_width=110))
+    return "\n".join(parts)
 
 
 def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tensor) -> Path:
@@ -301,7 +344,7 @@ def main(argv=None) -> list[dict]:
         with amp:  # warm-up
             objective.impl = "fast"
             objective(batch, rows).loss.backward()
-        print(profile_step(objective, rows, batch, amp), flush=True)
+        print(profile_step(objective, rows, batch, amp, shapes=args.profile_shapes), flush=True)
         del batch
     results = []
     header = (f"{'impl':>10} {'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} "

@@ -4,8 +4,8 @@ Between the big matmuls a drafter step is a chain of small memory-bound ops (RMS
 casts, rope, residual adds, SiLU*up, the diagonal merge of the TTT attention). Eagerly each is a
 separate pass over a [T, 7168] or [T, 64, 128] tensor, and at Kimi dimensions they cost a third of
 the step. Each function here is exactly the eager math (same casts, same order); `kernel(name,
-compiled)` returns it as is or compiled by Inductor (dynamic shapes: one graph for every T), which
-fuses the elementwise chains into the matmuls' prologues/epilogues or into single kernels.
+compiled)` returns it as is or compiled by Inductor (one graph for every T: only the sizes that
+vary are symbols, VARYING_DIMS), which fuses the elementwise chains into the matmuls' prologues/epilogues or into single kernels.
 
 Shapes: B batch, T positions, h query heads, hkv KV heads, d head dim, H hidden, I MLP width.
 Imports only torch (core code).
@@ -26,24 +26,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     return (weight * xf.to(x.dtype)).to(out_dtype)
 
 
+def rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., d] as the two halves of each head, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
+    which is x * cos + rotate_half(x) * sin for cos/sin = cat(c, c) / cat(s, s); c/s [..., d/2] broadcast."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos_half - x2 * sin_half, x2 * cos_half + x1 * sin_half), dim=-1)
+
+
 def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight: torch.Tensor,
                      w_qkv_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                      heads: int, kv_heads: int, head_dim: int):
     """q/k/v of one step: hidden [B,T,H] -> hidden_norm -> the hidden half of q/k/v plus the
     precomputed embedding half qkv_embed [B,T,(h+2hkv)d]; rope with cos/sin [B,T,1,d].
-    Returns q [B,T,h,d], k, v [B,T,hkv,d] (sequence-major, the layout flash kernels keep)."""
+    Returns q [B,T,h,d], k, v [B,T,hkv,d], each its own dense sequence-major tensor (the layout the
+    attention kernels take without a copy; compiled, each is written once by the fused kernel)."""
     B, T, _ = hidden.shape
     x = rms_norm(hidden, norm_weight, eps, w_qkv_hidden.dtype)
     qkv = F.linear(x, w_qkv_hidden) + qkv_embed
-    k_end = (heads + kv_heads) * head_dim
-    # rope on q and k together, as the two halves of each head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
-    # which is x * cos + rotate_half(x) * sin for cos/sin = cat(c, c) / cat(s, s)
-    qk = qkv[..., :k_end].view(B, T, heads + kv_heads, 2, head_dim // 2)
-    c, s = cos[..., : head_dim // 2].unsqueeze(-2), sin[..., : head_dim // 2].unsqueeze(-2)  # [B,T,1,1,d/2]
-    x1, x2 = qk[..., 0:1, :], qk[..., 1:2, :]
-    qk = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-2).view(B, T, heads + kv_heads, head_dim)
-    v = qkv[..., k_end:].view(B, T, kv_heads, head_dim)
-    return qk[:, :, :heads], qk[:, :, heads:], v
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    c, s = cos[..., : head_dim // 2], sin[..., : head_dim // 2]  # [B,T,1,d/2]
+    q = rope(qkv[..., :q_end].view(B, T, heads, head_dim), c, s)
+    k = rope(qkv[..., q_end:k_end].view(B, T, kv_heads, head_dim), c, s)
+    v = qkv[..., k_end:].contiguous().view(B, T, kv_heads, head_dim)
+    return q, k, v
 
 
 def attention_output_and_mlp(attn: torch.Tensor, hidden: torch.Tensor, w_o: torch.Tensor,
@@ -55,6 +61,13 @@ def attention_output_and_mlp(attn: torch.Tensor, hidden: torch.Tensor, w_o: torc
     h1 = hidden + F.linear(attn.reshape(B, T, -1), w_o)
     gate, up = F.linear(rms_norm(h1, post_norm_weight, eps, w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
     return h1 + F.linear(F.silu(gate) * up, w_down)
+
+
+def loss_rows_norm(prenorm: torch.Tensor, flat_rows: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The drafter's final norm at the loss positions: rows flat_rows (Long [N], b * T + t) of
+    prenorm [B,T,H] -> model.norm -> the matmul dtype, [N,H] (compiled: gather and norm one kernel)."""
+    return rms_norm(prenorm.reshape(-1, prenorm.shape[-1])[flat_rows], weight, eps, out_dtype)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -109,20 +122,44 @@ def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch
 _FUNCTIONS: dict[str, Callable] = {
     "attention_inputs": attention_inputs,
     "attention_output_and_mlp": attention_output_and_mlp,
+    "loss_rows_norm": loss_rows_norm,
     "diagonal_merge_forward": diagonal_merge_forward,
     "diagonal_merge_backward": diagonal_merge_backward,
     "soft_ce_chunk": soft_ce_chunk,
 }
+# The (argument, dim) of each function's tensors that change from call to call: T (positions; the
+# diagonal steps' [S,B,T,h,d] buffers have T at dim 2), N (loss rows of a chunk), S (diagonal steps
+# so far), M (teacher rows). Only these are compiled as symbols: every other size (H, heads, head_dim,
+# I, V, B) stays a constant, which is what makes Inductor's index arithmetic cheap. Compiled with
+# every size symbolic (dynamic=True) the rope / SwiGLU kernels ran 3-8x slower on an H200 (BENCHMARKS.md).
+VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
+    "attention_inputs": ((0, 1), (1, 1), (4, 1), (5, 1)),
+    "attention_output_and_mlp": ((0, 1), (1, 1)),
+    "loss_rows_norm": ((0, 1), (1, 0)),
+    "diagonal_merge_forward": ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2), (4, 0), (4, 2)),
+    "diagonal_merge_backward": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 0), (5, 2), (6, 0), (6, 2)),
+    "soft_ce_chunk": ((0, 0), (1, 0), (2, 0)),
+}
 _COMPILED: dict[str, Callable] = {}
 
 
+def _marking_varying_dims(compiled: Callable, dims: tuple[tuple[int, int], ...]) -> Callable:
+    def call(*args):
+        for arg, dim in dims:
+            torch._dynamo.maybe_mark_dynamic(args[arg], dim)  # a size-1 dim stays specialised (no error)
+        return compiled(*args)
+    return call
+
+
 def kernel(name: str, compiled: bool) -> Callable:
-    """The function `name`, eager or compiled with Inductor (compiled once per process).
-    EAGLE3_COMPILE_DYNAMIC=0 compiles per shape instead of once for all T (benchmarks)."""
+    """The function `name`, eager or compiled with Inductor (compiled once per process; one graph
+    for every T, N and S: VARYING_DIMS). EAGLE3_COMPILE_DYNAMIC=0 compiles per shape instead (benchmarks)."""
     fn = _FUNCTIONS[name]
     if not compiled:
         return fn
     if name not in _COMPILED:
-        dynamic = os.environ.get("EAGLE3_COMPILE_DYNAMIC", "1") != "0"
-        _COMPILED[name] = torch.compile(fn, dynamic=dynamic)
+        if os.environ.get("EAGLE3_COMPILE_DYNAMIC", "1") == "0":
+            _COMPILED[name] = torch.compile(fn, dynamic=False)
+        else:
+            _COMPILED[name] = _marking_varying_dims(torch.compile(fn, dynamic=None), VARYING_DIMS[name])
     return _COMPILED[name]

@@ -114,6 +114,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     fallback = TTTCache()
     sums, corrects = [], []
     pre, post = kernel("attention_inputs", compiled), kernel("attention_output_and_mlp", compiled)
+    final_norm = kernel("loss_rows_norm", compiled)
     for k in range(K):
         cos, sin = rope_cos_sin(inv_freq, position_ids + k, dt)
         cos, sin = cos[:, :, None], sin[:, :, None]                           # [B, T, 1, d]
@@ -135,8 +136,9 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                        layer.post_attention_layernorm.eps)                    # [B, T, H]
         with torch.no_grad():
             b_idx, t_idx = masks[k].nonzero(as_tuple=True)
-            src = b_idx * T + t_idx + (k + 1)
-        x = rms_norm(prenorm[b_idx, t_idx], model.norm.weight, model.norm.eps, dt)  # [N, H]
+            flat = b_idx * T + t_idx
+            src = flat + (k + 1)
+        x = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]
         loss_k, top = linear_soft_cross_entropy(x, w.lm_head, teacher_p, row_of[src], ce_chunk_rows, compiled)
         sums.append(loss_k)
         with torch.no_grad():
