@@ -90,8 +90,12 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     weights = step_weights(K, step_decay).to(device)
 
     with torch.no_grad():
-        masks = [loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)]
-        count = torch.stack([m.sum() for m in masks]).to(torch.float32)
+        masks = torch.stack([loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)])  # [K,B,T]
+        count = masks.sum(dim=(1, 2)).to(torch.float32)
+        # every step's loss rows (b * T + t) with one host sync here, so that the loop below queues
+        # the whole forward without waiting for the GPU (a nonzero per step would idle it 7 times)
+        k_b_t = masks.nonzero()
+        step_rows = (k_b_t[:, 1] * T + k_b_t[:, 2]).split(count.long().tolist())
         denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
         scales = weights / denom.clamp(min=1)
         teacher_p, row_of = teacher_probs(last, lm_head_rows, loss_mask, target_argmax, t2d)  # fp32 [M, V], [B*T]
@@ -134,10 +138,8 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                 attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled, kernel_name)
         prenorm = post(attn, hidden, w.o, layer.post_attention_layernorm.weight, w.gate_up, w.down,
                        layer.post_attention_layernorm.eps)                    # [B, T, H]
-        with torch.no_grad():
-            b_idx, t_idx = masks[k].nonzero(as_tuple=True)
-            flat = b_idx * T + t_idx
-            src = flat + (k + 1)
+        flat = step_rows[k]
+        src = flat + (k + 1)
         x = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]
         loss_k, top = linear_soft_cross_entropy(x, w.lm_head, teacher_p, row_of[src], ce_chunk_rows, compiled)
         sums.append(loss_k)
