@@ -69,7 +69,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                     attention_mask: Optional[torch.Tensor] = None,
                     position_ids: Optional[torch.Tensor] = None,
                     step_denominators: Optional[torch.Tensor] = None,
-                    ce_chunk_rows: int = 4096, compiled: bool = False,
+                    ce_chunk_rows: int = 8192, compiled: bool = False,
                     attention_kernel: str = "auto") -> UnrollOutput:
     """Same arguments and result as `eagle3.unroll.ttt_unroll` (see there). Right-padded batches
     only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).

@@ -53,7 +53,7 @@ class _LinearSoftCE(torch.autograd.Function):
 
 
 def linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, teacher_probs: torch.Tensor,
-                              rows: torch.Tensor, chunk_rows: int = 4096,
+                              rows: torch.Tensor, chunk_rows: int = 8192,
                               compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] (normalised hidden, compute dtype), weight [V, H] (same dtype), teacher_probs fp32
     [M, V], rows Long [N] (teacher row of each x row). Returns (summed soft CE, fp32 or wider

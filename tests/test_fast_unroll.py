@@ -435,6 +435,40 @@ def test_fast_unroll_with_more_steps_than_positions_matches_reference():
         assert relative_max_error(fast_grads[name], want) < 1e-5, name
 
 
+def test_compiled_pieces_mark_exactly_the_sizes_that_vary(monkeypatch):
+    """fast_kernels.VARYING_DIMS: across two batches of different lengths and the 7 steps, every
+    (argument, dim) it marks takes more than one size, and every other dim of every tensor
+    argument keeps one size (H, heads, head_dim, V, B ... stay compile-time constants)."""
+    from eagle3 import fast_kernels
+
+    seen = {name: [] for name in fast_kernels._FUNCTIONS}
+
+    def recording(name, fn):
+        def call(*args):
+            seen[name].append([tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args])
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(fast_kernels, "_FUNCTIONS", {n: recording(n, f) for n, f in fast_kernels._FUNCTIONS.items()})
+    monkeypatch.setattr(fast_kernels, "_COMPILED", {})
+    monkeypatch.setattr(fast_kernels.torch, "compile", lambda fn, dynamic=None: fn)  # no Inductor on CPU tests
+    monkeypatch.setattr(fast_kernels.torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)
+    for T in (24, 12):
+        model, batch, rows = unroll_case(T=T)
+        out = ttt_unroll_fast(*unroll_args(model, batch, rows), 7, compiled=True)
+        out.loss.backward()
+    for name, calls in seen.items():
+        assert len(calls) >= 2, name
+        marked = set(fast_kernels.VARYING_DIMS[name])
+        for arg, shape in enumerate(calls[0]):
+            if shape is None:
+                assert not any(a == arg for a, _ in marked), (name, arg)
+                continue
+            for dim in range(len(shape)):
+                sizes = {c[arg][dim] for c in calls}
+                assert (len(sizes) > 1) == ((arg, dim) in marked), (name, arg, dim, sizes)
+
+
 def test_fast_unroll_rejects_an_attention_mask():
     model, batch, rows = unroll_case(T=8)
     with pytest.raises(ValueError, match="attention_mask"):
