@@ -36,7 +36,7 @@ def teacher_logits(last: torch.Tensor, lm_head_rows: torch.Tensor) -> torch.Tens
     # fp32 even inside a bf16 autocast region (the teacher's distribution is the reference).
     # Both inputs bf16 (or both fp16) on a GPU: products of 16-bit floats are exact in fp32, so a
     # 16-bit GEMM that accumulates and returns fp32 computes the fp32 matmul at the 16-bit
-    # tensor-core rate (an H200: ~7x faster than TF32 at Kimi's 7168 x 32000). Mixed 16-bit inputs:
+    # tensor-core rate (an H200 at Kimi's 8192 x 7168 x 32000: 4.7 ms, TF32 8.9 ms). Mixed 16-bit inputs:
     # TF32, equally exact (their mantissas fit TF32's 10 bits). Else plain fp32.
     with torch.autocast(device_type=last.device.type, enabled=False):
         if last.is_cuda and last.dtype == lm_head_rows.dtype and last.dtype in (torch.bfloat16, torch.float16):
