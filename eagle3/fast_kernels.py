@@ -5,7 +5,8 @@ casts, rope, residual adds, SiLU*up, the diagonal merge of the TTT attention). E
 separate pass over a [T, 7168] or [T, 64, 128] tensor, and at Kimi dimensions they cost a third of
 the step. Each function here is exactly the eager math (same casts, same order); `kernel(name,
 compiled)` returns it as is or compiled by Inductor (one graph for every T: only the sizes that
-vary are symbols, VARYING_DIMS), which fuses the elementwise chains into the matmuls' prologues/epilogues or into single kernels.
+vary are symbols, VARYING_DIMS), which fuses the elementwise chains between the matmuls into
+single kernels.
 
 Shapes: B batch, T positions, h query heads, hkv KV heads, d head dim, H hidden, I MLP width.
 Imports only torch (core code).

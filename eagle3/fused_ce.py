@@ -9,7 +9,8 @@ chunk's dlogits kept in x's dtype), then computes dx and dW with one matmul each
 (the GEMM accumulates in fp32 and rounds once; no fp32 [V, H] accumulator and no per-chunk adds),
 and keeps only dx and dW (x's dtype) for the backward, which scales them by the incoming gradient.
 Memory: the dlogits of all N rows, N x V in x's dtype (bf16: 0.5 GB at N = 8192, V = 32000), where
-fp32 logits for backward would take twice that per TTT step. Numerics match `eagle3.loss.soft_cross_entropy_rows(x @ W^T, p)`: the logits are rounded
+fp32 logits kept for backward would take twice that per TTT step.
+Numerics match `eagle3.loss.soft_cross_entropy_rows(x @ W^T, p)`: the logits are rounded
 to x's dtype first (what a bf16 lm_head produces), then everything is fp32 (fp64 inputs stay fp64,
 where soft_cross_entropy_rows drops to fp32). Without grad mode the gradient matmuls are skipped.
 
@@ -38,7 +39,10 @@ class _LinearSoftCE(torch.autograd.Function):
             if want_grad:  # validation (no grad) skips the two gradient matmuls
                 grads.append(g)
         if want_grad:  # one matmul each over all N rows (fp32 accumulation inside the GEMM, one rounding)
-            g = grads[0] if len(grads) == 1 else torch.cat(grads) if grads else x.new_zeros((0, weight.shape[0]))
+            if len(grads) > 1:
+                g = torch.cat(grads)
+            else:  # one chunk (no copy), or no rows at all
+                g = grads[0] if grads else x.new_zeros((0, weight.shape[0]))
             dx, dw = g @ weight, g.t() @ x
         else:
             dx = dw = x.new_zeros(())
