@@ -7,10 +7,15 @@ import torch
 from eagle3 import REPO_ROOT
 
 
-def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench_train_step", REPO_ROOT / "benchmarks" / "bench_train_step.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
+    bench = load_bench()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -38,3 +43,16 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     T = 4096
     expect = 6 * 1.0368e9 * T * 7 + 344064 * T ** 2 + 6 * 3 * 7168 ** 2 * T
     assert abs(bench.step_flops(k2, T, 7, 1) - expect) / expect < 1e-3
+
+
+def test_profile_kernel_categories():
+    """The benchmark's profile groups CUDA kernels by name: GEMMs (cuBLAS nvjet / cuDNN attention share the
+    tensor-core names), compiled Triton kernels, copies, eager elementwise."""
+    bench = load_bench()
+    assert bench.kernel_kind("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NTN") == "gemm"
+    assert bench.kernel_kind("triton_poi_fused_add_mul_neg_slice_slice_backward_view_0") == "compiled (triton)"
+    assert bench.kernel_kind("Memcpy DtoD (Device -> Device)") == "copy / fill"
+    assert bench.kernel_kind("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<"
+                             "c10::BFloat16>>") == "elementwise (eager)"
+    assert bench.kernel_kind("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>") == "attention"
+    assert bench.kernel_kind("some_new_kernel") == "other"
