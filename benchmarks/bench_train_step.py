@@ -188,8 +188,8 @@ def grad_check(objective, rows, batch, params, amp) -> dict:
 
 
 KERNEL_KINDS = (  # (category, substrings of a CUDA kernel's name), first match wins
+    ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
-    ("attention", ("cudnn", "flash", "fmha", "attention")),
     ("compiled (triton)", ("triton",)),
     ("copy / fill", ("memcpy", "memset", "copy", "fill", "cat", "index")),
     ("reduction", ("reduce",)),
@@ -205,7 +205,8 @@ def kernel_kind(name: str) -> str:
 def kernel_table(prof, top: int) -> str:
     """CUDA kernels of a profile: per category, then the `top` kernels by total time (ms)."""
     rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
+            if e.self_device_time_total > 0 and e.device_type.name == "CUDA"
+            and not e.key.startswith("## ")]  # ranges such as "## Call CompiledFxGraph" would count kernels twice
     total = sum(r[2] for r in rows)
     kinds: dict[str, float] = {}
     for name, _, ms in rows:

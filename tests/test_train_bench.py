@@ -46,8 +46,8 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
 
 
 def test_profile_kernel_categories():
-    """The benchmark's profile groups CUDA kernels by name: GEMMs (cuBLAS nvjet / cuDNN attention share the
-    tensor-core names), compiled Triton kernels, copies, eager elementwise."""
+    """The benchmark's profile groups CUDA kernels by name: attention (cuDNN / flash, before the GEMM names
+    that cuDNN's sm90 kernels also carry), GEMMs, compiled Triton kernels, copies, eager elementwise."""
     bench = load_bench()
     assert bench.kernel_kind("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NTN") == "gemm"
     assert bench.kernel_kind("triton_poi_fused_add_mul_neg_slice_slice_backward_view_0") == "compiled (triton)"
@@ -55,4 +55,5 @@ def test_profile_kernel_categories():
     assert bench.kernel_kind("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<"
                              "c10::BFloat16>>") == "elementwise (eager)"
     assert bench.kernel_kind("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>") == "attention"
+    assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
     assert bench.kernel_kind("some_new_kernel") == "other"
