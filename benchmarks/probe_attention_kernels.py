@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3.attention_check import kernel_disagreement, relative_l2  # noqa: E402
+from eagle3.attention_check import (_cudnn_disagreement, checked_attention_kernel, kernel_disagreement,  # noqa: E402
+                                    relative_l2)
 from eagle3.ttt_flash import _causal_backward, _causal_forward  # noqa: E402  (the kernels as training calls them)
 
 
@@ -34,6 +35,7 @@ def main():
     p.add_argument("--functions", action="store_true", help="only check eagle3/ttt_flash.py's Functions, cuDNN vs flash")
     a = p.parse_args()
     if a.functions:
+        time_startup_check()
         for T in (1024, 4096):
             check_functions(T)
         return
@@ -96,6 +98,22 @@ def main():
         t1, t2 = timeit(sep, 5), timeit(fused, 5)
         print(f"  gate_up weight grad x7: mm+add {t1*1e3:.2f} ms, addmm_ {t2*1e3:.2f} ms "
               f"(GEMM floor at 755 TF/s {7*2*T*36864*7168/755e12*1e3:.2f} ms)")
+
+
+def time_startup_check() -> None:
+    """The cost of training's start-up cuDNN check (eagle3/attention_check.py) as a fresh process pays
+    it: the first call (which also builds cuDNN's execution plans) and a cached one."""
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # the CUDA context is not the check's cost
+    t = time.perf_counter()
+    name = checked_attention_kernel("auto", dev, torch.bfloat16, 128)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    checked_attention_kernel("auto", dev, torch.bfloat16, 128)
+    cached = time.perf_counter() - t
+    print(f"  start-up check -> {name}: first call {first:.3f} s, cached {cached * 1e6:.0f} us, disagreement "
+          f"{_cudnn_disagreement(str(dev), torch.bfloat16, 128):.2e}", flush=True)
 
 
 def check_functions(T: int, h: int = 8, d: int = 128, steps: int = 4) -> None:
