@@ -117,7 +117,7 @@ def _init_wandb(out_dir: Path, conf, run_config: dict, resumed: bool):
     run_id = hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12]
     (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(project=conf.project, entity=conf.entity, name=conf.name or out_dir.name,
+    return wandb.init(project=conf.project, entity=conf.entity, name=conf.name or out_dir.name, group=conf.group,
                       tags=list(conf.tags), mode=conf.mode, dir=str(out_dir), id=run_id,
                       resume="allow" if resumed else None, config=run_config, reinit="finish_previous",
                       settings=wandb.Settings(console="off", x_disable_stats=True))

@@ -59,6 +59,7 @@ class WandbConf:
     project: str = "eagle3-finetune"
     entity: Optional[str] = None
     name: Optional[str] = None            # default: the out_dir's name
+    group: Optional[str] = None           # runs that belong together on the dashboard (the study: the init)
     tags: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
