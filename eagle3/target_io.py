@@ -19,6 +19,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
+from eagle3 import release_format
+
 LAYOUTS = ("kimi_k25", "causal_lm")
 REQUIRED_TEXT_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
 
@@ -37,6 +39,9 @@ LM_HEAD_NAMES = {
 # Kimi's remote-code wrapper (language_model is a full causal LM), plain causal LMs.
 TEXT_MODEL_PATHS = ("model.language_model", "language_model.model", "model")
 LM_HEAD_PATHS = ("lm_head", "language_model.lm_head")
+# Parameter names of the text path inside the Kimi wrapper (HF-native and remote code); the rest is the
+# vision tower, which capture never runs.
+TEXT_PARAM_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
 
 
 class TargetError(RuntimeError):
@@ -247,11 +252,14 @@ def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_m
 
     _check_layout(layout)
     text_config = read_text_config(path, layout)  # also: clear error for a missing target
-    _weight_files(Path(path))
-    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    full = read_full_config(path)
+    try:  # INT4 release format: names must match what config.json says, before 600 GB are read
+        release_format.check_checkpoint(full, text_config, _weight_files(Path(path)), str(path))
+    except release_format.ReleaseFormatError as e:
+        raise TargetError(str(e)) from e
+    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    full = read_full_config(path)
     if layout == "kimi_k25" and hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
         cls = transformers.Kimi_K25ForConditionalGeneration  # native class (tested); remote code only as fallback
     elif layout == "kimi_k25":
@@ -263,12 +271,28 @@ def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_m
     else:
         cls = transformers.AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(str(path), **kwargs)
+        model, info = cls.from_pretrained(str(path), **kwargs)
     except Exception as e:
         raise TargetError(f"cannot load target {path} (layout {layout}) with {cls.__name__}: {e}") from e
+    missing = [k for k in info.get("missing_keys", ()) if layout != "kimi_k25" or k.startswith(TEXT_PARAM_PREFIXES)]
+    if missing:  # transformers would leave them randomly initialised
+        raise TargetError(f"target {path}: {len(missing)} text-model weights not in the checkpoint (e.g. "
+                          f"{sorted(missing)[:3]}); a checkpoint of another architecture or a damaged one")
     model.eval()
     decoder_layers(model), final_norm(model), lm_head(model)  # fail now if the structure is unexpected
+    if release_format.is_packed_int4(release_format.quantization_config_of(full)):
+        _experts_to_dtype(model, getattr(torch, dtype))
     return model, text_config
+
+
+def _experts_to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """transformers dequantises INT4 routed experts into their scales' dtype (bf16) whatever dtype was
+    asked for; the rest of the model is in `dtype` (and the router in float32, as transformers keeps it)."""
+    for layer in decoder_layers(model):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        for p in experts.parameters() if experts is not None else ():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def _first_tensor(out):
