@@ -205,7 +205,7 @@ def store_meta(cfg, fingerprints: dict, max_len: int, dist: Dist, split: str) ->
     """What a store depends on: a resumed writer refuses to mix stores whose meta differs."""
     return {"split": split, **fingerprints, "target_dtype": cfg.target.dtype, "max_seq_len": max_len,
             "on_overlong": cfg.on_overlong, "limit": cfg.limit, "max_tokens_per_batch": cfg.max_tokens_per_batch,
-            "world_size": dist.world}
+            "world_size": dist.world, **({"backend": cfg.backend} if cfg.backend != "hf" else {})}
 
 
 def open_writer(store_dir: Path, cfg, header: dict, meta: dict) -> HiddenStateWriter:
@@ -312,6 +312,11 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
             return out
     except ManifestError:
         pass
+    vllm_setup = None
+    if cfg.backend == "vllm":  # a vLLM engine runs the target; checked before any work (data/capture_vllm.py)
+        from data import capture_vllm
+        vllm_setup = capture_vllm.setup_for(cfg, hf_indices, L, max_len)
+        capture_vllm.check_engine(cfg, vllm_setup, dist)
 
     splits = {}
     for split in cfg.splits:
@@ -324,10 +329,13 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     dist.barrier()  # every process has read the old stage manifest; it no longer describes what is on disk
     if dist.is_main:
         (out / "manifest.json").unlink(missing_ok=True)
-    model, _ = target_io.load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype,
-                                     cfg.target.device_map, cfg.target.trust_remote_code)
-    if cfg.target.device_map is None:
-        model.to(_process_device(dist))
+    if vllm_setup is not None:
+        engine, teacher = capture_vllm.open_engine(cfg, vllm_setup, max_len), capture_vllm.Teacher(cfg, text_cfg)
+    else:
+        model, _ = target_io.load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype,
+                                         cfg.target.device_map, cfg.target.trust_remote_code)
+        if cfg.target.device_map is None:
+            model.to(_process_device(dist))
     header = {"hidden_size": H, "target_hidden_size": H, "aux_layer_ids": aux_ids, "hf_indices": hf_indices}
     results = {}
     for split, ds in splits.items():
@@ -340,7 +348,10 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
             for sid in plan_counts["skipped_overlong"]:
                 if sid not in writer.done_ids:
                     writer.skip(sid, "overlong")
-        run = capture_split(model, ds, seqs, writer, cfg, aux_ids, dist, desc=f"capture {split}")
+        if vllm_setup is not None:
+            run = capture_vllm.capture_split(engine, teacher, ds, seqs, writer, cfg, vllm_setup, f"capture {split}")
+        else:
+            run = capture_split(model, ds, seqs, writer, cfg, aux_ids, dist, desc=f"capture {split}")
         manifest = writer.finish()
         dist.barrier()
         if dist.world > 1 and dist.is_main:
@@ -350,6 +361,8 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
             print(f"[capture] {split}: {results[split]['sequences']:,} sequences, {results[split]['tokens']:,} tokens "
                   f"in {results[split]['shards']} shards; truncated {plan_counts['truncated']}, skipped "
                   f"{results[split]['skipped'] or 0}; this run {run['tokens_run']:,} tokens in {run['seconds']:.1f}s")
+    if vllm_setup is not None:
+        engine.close()
     if dist.is_main:
         state_bytes = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
         aux_bytes = len(aux_ids) * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else len(aux_ids) * H * state_bytes

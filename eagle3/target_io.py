@@ -35,6 +35,10 @@ LM_HEAD_NAMES = {
     "kimi_k25": ["language_model.lm_head.weight", "lm_head.weight"],
     "causal_lm": ["lm_head.weight", "language_model.lm_head.weight"],
 }
+FINAL_NORM_NAMES = {  # the text model's final RMSNorm (what turns the last layer's output into lm_head's input)
+    "kimi_k25": ["language_model.model.norm.weight", "model.language_model.norm.weight", "model.norm.weight"],
+    "causal_lm": ["model.norm.weight", "language_model.model.norm.weight"],
+}
 # Module paths (attribute chains) of the text decoder stack: HF-native Kimi_K25ForConditionalGeneration,
 # Kimi's remote-code wrapper (language_model is a full causal LM), plain causal LMs.
 TEXT_MODEL_PATHS = ("model.language_model", "language_model.model", "model")
@@ -122,6 +126,13 @@ def load_embed_tokens(target_path: str | Path, layout: str) -> torch.Tensor:
     """The target's input embedding [V, H] (the drafter's frozen embedding)."""
     _check_layout(layout)
     return load_checkpoint_tensor(target_path, EMBED_NAMES[layout])
+
+
+def load_final_norm(target_path: str | Path, layout: str) -> torch.Tensor:
+    """The weight [H] of the text model's final norm (an engine that returns the last layer's output
+    un-normed needs it to make the post-norm state lm_head reads)."""
+    _check_layout(layout)
+    return load_checkpoint_tensor(target_path, FINAL_NORM_NAMES[layout])
 
 
 def _ties_embeddings(target_path: str | Path, layout: str) -> bool:

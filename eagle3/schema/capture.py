@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
+from eagle3.schema.capture_vllm import CAPTURE_BACKENDS, VllmCaptureConf
 
 STORE_DTYPES = ("bfloat16", "float16", "float32")
 AUX_DTYPES = ("float8_e4m3fn",)  # besides null (= dtype): fp8 codes + one fp32 scale per (token, layer)
@@ -38,8 +39,12 @@ class CaptureConfig:
     progress: bool = True
     seed: int = 0
     init: Optional[InitConf] = None  # +init=aqmedai_k2: take the aux layer ids from that drafter
+    backend: str = "hf"  # hf: transformers forward with hooks | vllm: a vLLM engine (data/capture_vllm.py)
+    vllm: VllmCaptureConf = field(default_factory=VllmCaptureConf)  # the engine of backend=vllm
 
     def validate(self) -> None:
+        if self.backend not in CAPTURE_BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: expected one of {CAPTURE_BACKENDS}")
         if self.dtype not in STORE_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {STORE_DTYPES}")
         if self.aux_dtype is not None and self.aux_dtype not in AUX_DTYPES:

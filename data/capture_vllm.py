@@ -1,0 +1,280 @@
+"""`capture.backend=vllm`: the target's forward runs in a vLLM engine (its `extract_hidden_states`
+speculative method with the hidden-states KV connector, tensor parallel over the GPUs), this process
+turns the connector's per-request files into the project's store.
+
+Per sequence the engine writes the states at the layer ids of eagle3/vllm_protocol.request_ids: the
+aux states at h (vLLM reads an id as h) and the last decoder layer's output, un-normed. Here the
+target's final norm (read from the checkpoint) makes that the post-norm `last`, and the target's
+lm_head (every row, from the checkpoint) gives the argmax, with the same functions as the HF backend
+(fast_kernels.rms_norm is HF's RMSNorm op for op; target_io.argmax_from_last). A file is deleted as
+soon as its sequence is in the store writer, so disk holds at most one batch of files.
+
+Two engines: a running `vllm serve` (engine=server, HTTP; the client needs no vllm package) or
+`vllm.LLM(...)` in this process (engine=inprocess). Before any work: the package is importable
+(inprocess) or the server answers and serves the target (server); otherwise the error prints the exact
+`vllm serve ...` command. Faults: an engine that stops answering or a file missing / truncated after
+`vllm.retries` re-requests stops the run with a CaptureError; everything committed stays, and the rerun
+resumes (the writer's resume) after deleting the files the interrupted run left.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from data.capture import CaptureError, Seq, make_batches
+from eagle3 import target_io, vllm_protocol
+from eagle3.fast_kernels import rms_norm
+from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
+
+PACKAGE = "vllm"
+
+
+class EngineError(CaptureError):
+    """The vLLM engine did not answer, or answered outside the protocol."""
+
+
+@dataclass
+class VllmSetup:
+    """What the engine must be started with and how its files are read."""
+    ids: list[int]  # eagle_aux_hidden_state_layer_ids the engine lists (aux h..., L)
+    aux_pos: list[int]  # positions of the aux states on the file's layer axis, in hf_indices order
+    last_pos: int  # position of the last layer's (un-normed) output
+    storage_dir: Path  # the connector's shared_storage_path
+    model: str  # the server's model name
+    serve_command: str  # the exact `vllm serve ...` line
+
+
+def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> VllmSetup:
+    v = cfg.vllm
+    ids = vllm_protocol.request_ids(hf_indices, num_layers)
+    aux_pos, last_pos = vllm_protocol.layer_positions(hf_indices, num_layers)
+    root = Path(v.storage_dir) if v.storage_dir else Path(cfg.out_dir) / "vllm_hidden_states"
+    storage = (root / ("ids-" + "-".join(str(i) for i in ids))).resolve()
+    url = urlparse(v.url)
+    cmd = vllm_protocol.serve_command(cfg.target.path, ids, storage, tensor_parallel_size=v.tensor_parallel_size,
+                                      max_model_len=v.max_model_len or max_len + 1,
+                                      trust_remote_code=cfg.target.trust_remote_code, dtype=cfg.target.dtype,
+                                      host=url.hostname or "127.0.0.1", port=url.port or 8000)
+    return VllmSetup(ids, aux_pos, last_pos, storage, v.model or str(cfg.target.path), cmd)
+
+
+class ServerEngine:
+    """A running `vllm serve`: one /v1/completions request per sequence, `concurrency` in flight."""
+
+    def __init__(self, setup: VllmSetup, cfg):
+        import httpx
+
+        self.setup, self.base = setup, cfg.vllm.url.rstrip("/")
+        self._httpx = httpx
+        self.http = httpx.Client(timeout=httpx.Timeout(cfg.vllm.timeout_s))
+        self.pool = ThreadPoolExecutor(max_workers=cfg.vllm.concurrency, thread_name_prefix="vllm-capture")
+
+    def preflight(self) -> None:
+        """The server answers and serves the target, or a CaptureError with the command that starts one."""
+        try:
+            reply = self.http.get(self.base + "/v1/models", timeout=10.0)
+            served = [m.get("id") for m in reply.json().get("data", [])] if reply.status_code == 200 else None
+        except (self._httpx.HTTPError, ValueError) as e:
+            raise EngineError(f"no vLLM server answers at {self.base} ({type(e).__name__}: {e}). Start one "
+                              f"(vLLM {vllm_protocol.VLLM_VERSION} read for this backend) with: "
+                              f"{self.setup.serve_command}") from None
+        if served is None or self.setup.model not in served:
+            raise EngineError(f"the server at {self.base} serves {served}, not {self.setup.model!r} (set "
+                              f"vllm.model to its name, or start it with: {self.setup.serve_command})")
+
+    def _one(self, token_ids: list[int]) -> tuple[str, int | None]:
+        body = vllm_protocol.completion_body(self.setup.model, token_ids)
+        try:
+            reply = self.http.post(self.base + "/v1/completions", json=body)
+        except self._httpx.HTTPError as e:
+            raise EngineError(f"the vLLM server at {self.base} stopped answering ({type(e).__name__}: {e})") from None
+        if reply.status_code != 200:
+            raise EngineError(f"the vLLM server at {self.base} answered HTTP {reply.status_code}: {reply.text[:300]}")
+        try:
+            return vllm_protocol.parse_completion(reply.json(), token_ids)
+        except (ValueError, vllm_protocol.VllmProtocolError) as e:
+            raise EngineError(f"the vLLM server at {self.base}: {e}") from None
+
+    def capture(self, batch: list[list[int]]) -> list[tuple[str, int | None]]:
+        futures = [self.pool.submit(self._one, ids) for ids in batch]
+        results, first_error = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except EngineError as e:
+                first_error = first_error or e
+        if first_error is not None:  # the files of the requests that did succeed are not needed any more
+            for path, _ in results:
+                vllm_protocol.remove_states_file(path)
+            raise first_error
+        return results
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.http.close()
+
+
+class InProcessEngine:
+    """`vllm.LLM(...)` in this process; a batch is one `generate` call."""
+
+    def __init__(self, setup: VllmSetup, cfg, max_len: int):
+        import vllm
+
+        self.setup = setup
+        kwargs = vllm_protocol.llm_kwargs(cfg.target.path, setup.ids, setup.storage_dir,
+                                          tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                                          max_model_len=cfg.vllm.max_model_len or max_len + 1,
+                                          trust_remote_code=cfg.target.trust_remote_code, dtype=cfg.target.dtype)
+        self.llm = vllm.LLM(**kwargs)
+        self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0)
+
+    def capture(self, batch: list[list[int]]) -> list[tuple[str, int | None]]:
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": ids} for ids in batch], self.params, use_tqdm=False)
+            return [vllm_protocol.parse_request_output(o) for o in outs]
+        except vllm_protocol.VllmProtocolError as e:
+            raise EngineError(f"vLLM: {e}") from None
+        except Exception as e:  # the engine's own failures (a dead worker, CUDA errors) have many types
+            raise EngineError(f"the in-process vLLM engine failed ({type(e).__name__}: {e})") from e
+
+    def close(self) -> None:
+        pass
+
+
+def check_engine(cfg, setup: VllmSetup, dist) -> None:
+    """Before any work: one process (the engine parallelises), the package (inprocess), the server (server)."""
+    if dist.world > 1:
+        raise CaptureError(f"capture.backend=vllm drives one engine, which spreads the target over its own "
+                           f"{cfg.vllm.tensor_parallel_size} GPUs (vllm.tensor_parallel_size); launch one process, "
+                           f"not {dist.world}")
+    if cfg.vllm.engine == "inprocess":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise CaptureError(f"capture.backend=vllm with vllm.engine=inprocess needs the `{PACKAGE}` package, which "
+                               f"is not installed here (this backend was written against vLLM "
+                               f"{vllm_protocol.VLLM_VERSION}: pip install {PACKAGE}=={vllm_protocol.VLLM_VERSION}); or "
+                               f"start a server elsewhere and use vllm.engine=server: {setup.serve_command}") from None
+    else:
+        engine = ServerEngine(setup, cfg)
+        try:
+            engine.preflight()
+        finally:
+            engine.close()
+
+
+def open_engine(cfg, setup: VllmSetup, max_len: int):
+    if cfg.vllm.engine == "inprocess":
+        return InProcessEngine(setup, cfg, max_len)
+    engine = ServerEngine(setup, cfg)
+    engine.preflight()
+    return engine
+
+
+class Teacher:
+    """The target's final norm and full lm_head, read from the checkpoint: un-normed last state ->
+    (post-norm `last`, argmax over the full vocabulary)."""
+
+    def __init__(self, cfg, text_cfg: dict):
+        dev = cfg.vllm.head_device
+        self.device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+        dtype = getattr(torch, cfg.target.dtype)
+        self.eps = float(text_cfg.get("rms_norm_eps", 1e-6))
+        self.norm_weight = target_io.load_final_norm(cfg.target.path, cfg.target.layout).to(self.device, dtype)
+        weight = target_io.load_lm_head_rows(cfg.target.path, cfg.target.layout).to(self.device, dtype)
+        self.holder = torch.nn.Module()  # what argmax_from_last looks in for `lm_head`
+        self.holder.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.holder.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.chunk = cfg.argmax_chunk_tokens
+
+    @torch.no_grad()
+    def __call__(self, raw_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = raw_last.to(self.device)  # [T, H], the model dtype
+        last = rms_norm(x, self.norm_weight, self.eps, x.dtype)
+        return last, target_io.argmax_from_last(self.holder, last, self.chunk).cpu()
+
+
+def clean_storage(storage_dir: Path) -> int:
+    """Delete the connector files an interrupted run left (none are in flight: one capture per out_dir)."""
+    stale = vllm_protocol.leftover_files(storage_dir)
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
+def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, stats: dict) -> torch.Tensor:
+    """The sequence's [T, num_ids, H] states; a missing / truncated file is asked for again."""
+    for attempt in range(cfg.vllm.retries + 1):
+        try:
+            if Path(path).parent.resolve() != setup.storage_dir:
+                raise CaptureError(f"the engine wrote {path}, outside {setup.storage_dir}: it was started for other "
+                                   f"layer ids or another directory; restart it with: {setup.serve_command}")
+            return vllm_protocol.read_states_file(path, x, len(setup.ids), H, cfg.vllm.lock_timeout_s)
+        except vllm_protocol.ConnectorFileError as e:
+            vllm_protocol.remove_states_file(path)
+            if not e.retryable:
+                raise CaptureError(f"{e}; restart the engine with: {setup.serve_command}") from None
+            if attempt == cfg.vllm.retries:
+                raise CaptureError(f"{e} (asked {attempt + 1} times); nothing of it was stored: rerun to resume") from None
+            print(f"[capture] {e}; asking the engine again")
+            stats["re_requested"] += 1
+            path, _ = engine.capture([x.tolist()])[0]
+    raise AssertionError("unreachable")
+
+
+def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, setup: VllmSetup,
+                  desc: str) -> dict:
+    """Capture one split through the engine into `writer` (resuming: committed sequences are skipped;
+    unlike the HF backend a batch is not recomputed whole: the engine runs each request on its own)."""
+    from tqdm import tqdm
+
+    store_dtype = getattr(torch, cfg.dtype)
+    removed = clean_storage(setup.storage_dir)
+    if removed:
+        print(f"[capture] deleted {removed} connector files an interrupted run left in {setup.storage_dir}")
+    H = teacher.norm_weight.shape[0]
+    batches = make_batches(seqs, cfg.max_tokens_per_batch)
+    todo = [[s for s in b if s.id not in writer.done_ids] for b in batches]
+    todo = [b for b in todo if b]
+    stats = {"re_requested": 0, "engine_token_agrees": 0, "engine_token_checked": 0}
+    non_finite: list[str] = []
+    total, start, done = sum(s.length for b in todo for s in b), time.time(), 0
+    with tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not cfg.progress, mininterval=1.0) as bar:
+        for batch in todo:
+            rows = [ds[s.index] for s in batch]
+            ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
+            masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
+            try:
+                replies = engine.capture([x.tolist() for x in ids])
+            except EngineError as e:
+                raise EngineError(f"{e}; {done} sequences captured this run, everything committed is kept: start "
+                                  f"the engine again and rerun to resume ({setup.serve_command})") from None
+            for k, (s, x, m, (path, greedy)) in enumerate(zip(batch, ids, masks, replies)):
+                try:
+                    hs = _read(engine, setup, x, path, H, cfg, stats)  # [T, num_ids, H]
+                except CaptureError:
+                    for later_path, _ in replies[k + 1:]:
+                        vllm_protocol.remove_states_file(later_path)
+                    raise
+                last, argmax = teacher(hs[:, setup.last_pos])
+                aux = hs[:, setup.aux_pos].reshape(hs.shape[0], -1).to(store_dtype)  # [T, 3H], hf_indices order
+                last = last.to(store_dtype)
+                if greedy is not None:
+                    stats["engine_token_checked"] += 1
+                    stats["engine_token_agrees"] += int(argmax[-1]) == greedy
+                if bool(torch.isfinite(aux).all()) and bool(torch.isfinite(last).all()):
+                    writer.add(s.id, x, m, aux, last, argmax, order=s.order, check_finite=False)
+                else:
+                    writer.skip(s.id, "non_finite")
+                    non_finite.append(s.id)
+                    print(f"[capture] skipped: {NonFiniteHiddenStateError(s.id, 'aux/last')}")
+                vllm_protocol.remove_states_file(path)
+                done += 1
+            bar.update(sum(s.length for s in batch))
+    return {"batches": len(batches), "batches_run": len(todo), "tokens_run": total,
+            "seconds": round(time.time() - start, 3), "non_finite_this_run": non_finite, **stats}

@@ -1,0 +1,165 @@
+"""capture.backend=vllm against the vLLM stand-in (tests/standins/vllm_standin.py; vLLM itself cannot run
+here): the store it writes equals the HF backend's bit for bit in fp32 (aux, post-norm last, argmax), through
+a server started from the exact `vllm serve` line the backend prints and through the in-process engine; the
+faults (package missing, engine unreachable, engine dead mid-run, a connector file missing or truncated) each
+fail clearly or recover, and leave a store that a rerun completes to the same result, with no files left."""
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.capture import CaptureError, Dist, run_capture
+from eagle3 import aux_layers, vllm_protocol
+from eagle3.store import HiddenStateStore
+from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fake_vllm_module, parse_serve_command
+from tests.test_capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
+
+KEYS = ("input_ids", "loss_mask", "aux", "last", "target_argmax")
+LIMIT = 10  # sequences per split (train 10, validation 5): seconds per capture
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_config(tmp_path, targets, prepared, which="k25", out="vllm", port=None, overrides=()):
+    return capture_config(tmp_path, targets, prepared, which, out=out, overrides=[
+        "backend=vllm", f"vllm.url=http://127.0.0.1:{port or free_port()}", "vllm.tensor_parallel_size=2",
+        "vllm.timeout_s=30", "vllm.lock_timeout_s=10", f"limit={LIMIT}", *overrides])
+
+
+def serve_command_of(cfg) -> str:
+    """The `vllm serve` line the backend prints when nothing answers (and the proof nothing was written)."""
+    with pytest.raises(CaptureError, match="no vLLM server answers") as e:
+        run_capture(cfg, Dist())
+    assert not any((Path(cfg.out_dir) / s).exists() for s in cfg.splits)
+    return re.search(r"(vllm serve .*)$", str(e.value)).group(1)
+
+
+def assert_same_store(a_dir, b_dir):
+    for split in ("train", "validation"):
+        a, b = HiddenStateStore(a_dir / split, verify="sha256"), HiddenStateStore(b_dir / split, verify="sha256")
+        assert a.ids == b.ids and a.lengths == b.lengths and len(a) > 0 and a.hf_indices == b.hf_indices
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            for key in KEYS:
+                assert torch.equal(x[key], y[key]), (split, i, key)
+
+
+def assert_no_connector_files(cfg):
+    root = Path(cfg.vllm.storage_dir) if cfg.vllm.storage_dir else Path(cfg.out_dir) / "vllm_hidden_states"
+    assert not [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.fixture(scope="module")
+def hf_store(tmp_path_factory, targets, prepared):  # noqa: F811
+    """The HF backend's store, each sequence in a forward of its own (as the engine runs a request)."""
+    tmp = tmp_path_factory.mktemp("hf_ref")
+    cfg = capture_config(tmp, targets, prepared, out="hf", overrides=["max_tokens_per_batch=1", f"limit={LIMIT}"])
+    return run_capture(cfg, Dist())
+
+
+def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
+    # Kimi's 61 layers, h = [2, 30, 58]: vLLM reads ids as h; the last layer's output is id L, appended last
+    assert vllm_protocol.request_ids([2, 30, 58], 61) == [2, 30, 58, 61]
+    assert aux_layers.hf_indices_from_ids([2, 30, 58], "vllm") == [2, 30, 58]
+    assert vllm_protocol.layer_positions([30, 2, 58], 61) == ([1, 0, 2], 3)  # file axis ascending, fc order kept
+    cmd = vllm_protocol.serve_command("/m/Kimi K2.5", [2, 30, 58, 61], "/data/hs", tensor_parallel_size=8,
+                                      max_model_len=8193, trust_remote_code=True, dtype="bfloat16", host="0.0.0.0",
+                                      port=8000)
+    args = parse_serve_command(cmd)
+    assert args.model == "/m/Kimi K2.5" and args.tensor_parallel_size == 8 and args.trust_remote_code
+    assert args.speculative_config == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                       "draft_model_config": {"hf_config": {
+                                           "eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}}}
+    assert args.kv_transfer_config == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"shared_storage_path": "/data/hs"}}
+    with pytest.raises(StandinError, match="chunked"):
+        parse_serve_command(cmd.replace(" --no-enable-chunked-prefill", ""))
+
+
+def test_server_from_the_printed_command_writes_the_hf_store(tmp_path, targets, prepared, hf_store):  # noqa: F811
+    cfg = vllm_config(tmp_path, targets, prepared)
+    cmd = serve_command_of(cfg)
+    assert "--tensor-parallel-size 2" in cmd and "[2,4,5,8]" in cmd and "--max-model-len " in cmd
+    with StandinServer.from_command(cmd, "kimi_k25", Faults(write_delay_s=0.02)) as server:
+        out = run_capture(cfg, Dist())
+    assert_same_store(hf_store, out)
+    assert_no_connector_files(cfg)
+    # disk stays bounded: never more files than one batch of requests (96 tokens, shortest sequence >= 12)
+    assert 0 < server.engine.max_files_seen <= 8 and server.engine.requests == sum(
+        len(HiddenStateStore(out / s)) for s in ("train", "validation"))
+    m = json.loads((out / "manifest.json").read_text())
+    run = m["splits"]["train"]["this_run"]
+    assert run["engine_token_checked"] == len(HiddenStateStore(out / "train")) == run["engine_token_agrees"]
+    assert HiddenStateStore(out / "train").manifest["meta"]["backend"] == "vllm"
+
+
+def test_inprocess_engine_needs_the_package_then_matches_hf(tmp_path, targets, prepared, monkeypatch):  # noqa: F811
+    over = ["vllm.engine=inprocess", "aux_hf_indices=[4,2,7]"]
+    cfg = vllm_config(tmp_path, targets, prepared, "k2", overrides=over)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(CaptureError, match=r"needs the `vllm` package.*pip install vllm==0\.34\.0"):
+        run_capture(cfg, Dist())
+    assert not (tmp_path / "vllm").exists()
+    fake = fake_vllm_module(layout="causal_lm")
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    out = run_capture(cfg, Dist())
+    ref = run_capture(capture_config(tmp_path, targets, prepared, "k2", out="hf",
+                                     overrides=["max_tokens_per_batch=1", "aux_hf_indices=[4,2,7]",
+                                                f"limit={LIMIT}"]), Dist())
+    assert_same_store(ref, out)
+    assert fake.engines[0].ids == [2, 4, 7, 8]  # ascending on the file axis; the store keeps fc's order
+    assert HiddenStateStore(out / "train").hf_indices == [4, 2, 7]
+    assert_no_connector_files(cfg)
+
+
+def test_engine_dying_mid_run_leaves_a_store_the_rerun_completes(tmp_path, targets, prepared, hf_store):  # noqa: F811
+    port = free_port()
+    cfg = vllm_config(tmp_path, targets, prepared, port=port, overrides=["vllm.concurrency=2"])
+    cmd = serve_command_of(cfg)
+    with StandinServer.from_command(cmd, "kimi_k25", Faults(die_after=9)):
+        with pytest.raises(CaptureError, match=r"stopped answering.*rerun to resume"):
+            run_capture(cfg, Dist())
+    partial = json.loads((tmp_path / "vllm" / "train" / "manifest.json").read_text())
+    assert not partial["complete"] and 0 < partial["num_sequences"] < 9  # committed shards kept, not all
+    with StandinServer.from_command(cmd, "kimi_k25") as server:
+        out = run_capture(cfg, Dist())
+    assert server.engine.requests < len(HiddenStateStore(out / "train")) + len(HiddenStateStore(out / "validation"))
+    assert_same_store(hf_store, out)
+    assert_no_connector_files(cfg)
+
+
+@pytest.mark.parametrize("fault", ["drop", "truncate"])
+def test_a_missing_or_truncated_file_is_asked_for_again_or_stops_resumably(tmp_path, targets, prepared,  # noqa: F811
+                                                                            hf_store, fault):
+    cfg = vllm_config(tmp_path, targets, prepared)
+    cmd = serve_command_of(cfg)
+    with StandinServer.from_command(cmd, "kimi_k25", Faults(**{fault: {3}})):
+        out = run_capture(cfg, Dist())
+    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["this_run"]["re_requested"] == 1
+    assert_same_store(hf_store, out)
+    strict = vllm_config(tmp_path, targets, prepared, out="strict", port=cfg.vllm.url.rsplit(":", 1)[1],
+                         overrides=["vllm.retries=0"])
+    strict_cmd = serve_command_of(strict)
+    with StandinServer.from_command(strict_cmd, "kimi_k25", Faults(**{fault: {3}})):
+        with pytest.raises(CaptureError, match=r"(missing|unreadable).*asked 1 times.*rerun to resume"):
+            run_capture(strict, Dist())
+    with StandinServer.from_command(strict_cmd, "kimi_k25"):
+        assert_same_store(hf_store, run_capture(strict, Dist()))
+    assert_no_connector_files(strict)
+
+
+def test_an_engine_started_for_other_layers_is_refused(tmp_path, targets, prepared):  # noqa: F811
+    cfg = vllm_config(tmp_path, targets, prepared, overrides=["splits=[validation]"])
+    cmd = serve_command_of(cfg)
+    other = cmd.replace("[2,4,5,8]", "[1,3,5,8]").replace("ids-2-4-5-8", "ids-1-3-5-8")
+    with StandinServer.from_command(other, "kimi_k25"):
+        with pytest.raises(CaptureError, match=r"outside .*ids-2-4-5-8.*restart it with: vllm serve"):
+            run_capture(cfg, Dist())
