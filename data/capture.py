@@ -31,12 +31,13 @@ from typing import Callable
 import torch
 
 from eagle3 import target_io
+from eagle3.errors import StageError
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
 
 PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
 
 
-class CaptureError(RuntimeError):
+class CaptureError(StageError, RuntimeError):
     """A capture that cannot start or continue, with the reason."""
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from eagle3.errors import StageError
+
 
 # ShareGPT / OpenAI role names -> chat template roles.
 ROLE_MAP = {
@@ -31,7 +33,7 @@ SKIP_REASONS = (
 )
 
 
-class PrepareError(RuntimeError):
+class PrepareError(StageError, RuntimeError):
     """The prepare stage cannot produce a usable dataset; the message says why."""
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from eagle3.errors import StageError
+
 _CHUNK_BYTES = 4 << 20
 _MAX_ERRORS_KEPT = 20
 # Bytes that are not valid UTF-8 survive decoding as lone surrogates U+DC80..U+DCFF
@@ -35,7 +37,7 @@ _BAD_BYTES = re.compile("[\udc80-\udcff]")
 _WS = " \t\r\n"
 
 
-class CorpusFormatError(ValueError):
+class CorpusFormatError(StageError, ValueError):
     """A file that cannot be read as conversation records at all; the message names the file
     and the line (and column) where reading failed."""
 

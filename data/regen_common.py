@@ -1,9 +1,11 @@
 """What the regeneration modules share: their errors and the finish reasons they add to the
-server's own (`stop`, `length`). Imports nothing beyond the standard library."""
+server's own (`stop`, `length`). Imports only the standard library and eagle3.errors."""
 from __future__ import annotations
 
+from eagle3.errors import StageError
 
-class RegenerateError(RuntimeError):
+
+class RegenerateError(StageError, RuntimeError):
     """Regeneration cannot run (bad store, unreachable model); the message says what to do."""
 
 

@@ -12,19 +12,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from data.capture import CaptureError, run_capture  # noqa: E402
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from data.capture import run_capture  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.capture import CaptureConfig  # noqa: E402
-from eagle3.store import StoreError  # noqa: E402
-from eagle3.target_io import TargetError  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="capture", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("capture"):
         run_capture(to_schema(cfg, CaptureConfig))
-    except (ConfigError, CaptureError, StoreError, TargetError) as e:
-        sys.exit(f"capture failed: {e}")
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from data.corpus import CorpusFormatError  # noqa: E402
-from data.mini_world.build import MiniWorldError, run_mini_world  # noqa: E402
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from data.mini_world.build import run_mini_world  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.mini_world import MiniWorldConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="mini_world", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("mini world"):
         run_mini_world(to_schema(cfg, MiniWorldConfig))
-    except (ConfigError, CorpusFormatError, MiniWorldError) as e:
-        sys.exit(f"mini world failed: {e}")
 
 
 if __name__ == "__main__":

@@ -10,18 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from data.corpus import CorpusFormatError  # noqa: E402
-from data.prepare import PrepareError, run_prepare  # noqa: E402
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from data.prepare import run_prepare  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.prepare import PrepareConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="prepare", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("prepare"):
         run_prepare(to_schema(cfg, PrepareConfig))
-    except (ConfigError, CorpusFormatError, PrepareError) as e:
-        sys.exit(f"prepare failed: {e}")
 
 
 if __name__ == "__main__":

@@ -10,17 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from data.vocab import VocabStageError, run_vocab  # noqa: E402
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from data.vocab import run_vocab  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.vocab import VocabConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="vocab", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("vocab"):
         run_vocab(to_schema(cfg, VocabConfig))
-    except (ConfigError, VocabStageError) as e:
-        sys.exit(f"vocab failed: {e}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from eagle3.errors import StageError
 from eagle3.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, masked_token_counts,
                               t2d_from_ids, top_n_vocab, validate_mapping)
 
@@ -25,7 +26,7 @@ VOCAB_FILE = "vocab.safetensors"
 REPORT_FILE = "report.json"
 
 
-class VocabStageError(RuntimeError):
+class VocabStageError(StageError, RuntimeError):
     """The vocab stage cannot run on its inputs; the message says which and why."""
 
 

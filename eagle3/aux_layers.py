@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from eagle3.errors import StageError
+
 RULES = ("sglang", "sglang_legacy", "vllm")
 DEFAULT_RULE = "sglang"
 NUM_AUX_LAYERS = 3  # EAGLE-3's fc reads exactly three concatenated target states
@@ -37,7 +39,7 @@ RULE_SOURCES = {
 }
 
 
-class AuxLayerError(ValueError):
+class AuxLayerError(StageError, ValueError):
     """Aux layer ids / indices that no drafter can use, with the reason."""
 
 

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3 import REPO_ROOT
+from eagle3.errors import StageError, one_line
 
 CONF_DIR = REPO_ROOT / "conf"
 T = TypeVar("T")
@@ -20,8 +21,8 @@ if not OmegaConf.has_resolver("repo_root"):
     OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used, with the reason in the message."""
+class ConfigError(StageError, ValueError):
+    """A configuration that cannot be used, with the reason in the message (one line)."""
 
 
 def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
@@ -34,9 +35,19 @@ def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         obj = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf raises many types; all mean "bad config"
-        raise ConfigError(f"invalid {schema.__name__} config: {e}") from e
+        raise ConfigError(f"invalid {schema.__name__} config: {one_line(e)}{_group_hint(e)}") from e
     _validate_tree(obj)
     return obj  # type: ignore[return-value]
+
+
+def _group_hint(e: Exception) -> str:
+    """For an interpolation into a config group that was not chosen (`${init.name}` without
+    `+init=...`), the choices the command line can add."""
+    import re
+
+    m = re.search(r"Interpolation key '(\w+)[.\w]*' not found", str(e))
+    options = sorted(p.stem for p in (CONF_DIR / m.group(1)).glob("*.yaml")) if m else []
+    return f" (no {m.group(1)} chosen: add +{m.group(1)}=<{'|'.join(options)}>)" if options else ""
 
 
 def _validate_tree(obj: Any) -> None:
@@ -51,17 +62,25 @@ def _validate_tree(obj: Any) -> None:
 
 
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
-    """Compose `conf/<stage>.yaml` with overrides, as `@hydra.main` would (used by tests/demo)."""
+    """Compose `conf/<stage>.yaml` with overrides, as `@hydra.main` would (used by tests/demo).
+    A bad override (unknown key, unparsable value, missing config group) is a ConfigError."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    if GlobalHydra.instance().is_initialized():
-        # Inside a running Hydra app (the demo): its search path is this same conf/ tree.
-        cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name=stage):
+    try:
+        if GlobalHydra.instance().is_initialized():
+            # Inside a running Hydra app (the demo): its search path is this same conf/ tree.
             cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
-    OmegaConf.resolve(cfg)
+        else:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name=stage):
+                cfg = hydra_compose(config_name=stage, overrides=list(overrides or []))
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = f" ({one_line(e.__cause__)})" if e.__cause__ is not None else ""
+        raise ConfigError(f"cannot compose conf/{stage}.yaml with overrides {list(overrides or [])}: "
+                          f"{one_line(e)}{cause}") from e
     return cfg
 
 

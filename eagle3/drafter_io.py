@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes
 from eagle3.model import DrafterConfig, Eagle3Drafter, vocab_mapping_problems
 
@@ -38,7 +39,7 @@ EMBED = "embed_tokens.weight"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DrafterLoadError(RuntimeError):
+class DrafterLoadError(StageError, RuntimeError):
     """A drafter directory that cannot be loaded; the message lists every problem."""
 
 
@@ -230,7 +231,7 @@ def save_drafter_dir(model: Eagle3Drafter, out_dir: str | Path, dtype: str | tor
 
 # ---------------------------------------------------------------- compatibility with a target
 
-class CompatibilityError(ValueError):
+class CompatibilityError(StageError, ValueError):
     """A drafter that cannot serve / be trained on this target; the message lists every problem."""
 
 

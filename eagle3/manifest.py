@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import StageError
+
 MANIFEST = "manifest.json"
 
 
-class ManifestError(RuntimeError):
+class ManifestError(StageError, RuntimeError):
     """A stage directory whose manifest is missing, unreadable, or of the wrong kind."""
 
 

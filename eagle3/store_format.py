@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3.errors import StageError
+
 STORE_FORMAT = "eagle3-hidden-state-store"
 STORE_VERSION = 1  # raise when a reader of today would misread a new store; readers refuse newer versions
 MANIFEST = "manifest.json"
@@ -18,7 +20,7 @@ HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices
                "shard_tokens", "meta")
 
 
-class StoreError(RuntimeError):
+class StoreError(StageError, RuntimeError):
     """A store that cannot be used: missing, incomplete, corrupt, or mismatched."""
 
 
@@ -26,7 +28,7 @@ class StoreMismatchError(StoreError):
     """An existing store was written with different settings (target, layers, dtype, ...)."""
 
 
-class NonFiniteHiddenStateError(ValueError):
+class NonFiniteHiddenStateError(StageError, ValueError):
     """A sequence whose hidden states contain NaN/inf (after the cast to the store dtype)."""
 
     def __init__(self, seq_id: str, what: str):

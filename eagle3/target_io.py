@@ -19,6 +19,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
+from eagle3.errors import StageError
+
 from eagle3 import release_format
 
 LAYOUTS = ("kimi_k25", "causal_lm")
@@ -48,7 +50,7 @@ LM_HEAD_PATHS = ("lm_head", "language_model.lm_head")
 TEXT_PARAM_PREFIXES = ("model.language_model.", "language_model.", "lm_head.")
 
 
-class TargetError(RuntimeError):
+class TargetError(StageError, RuntimeError):
     """A target directory / checkpoint / model that cannot be used, with the reason."""
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.errors import StageError
 
-class VocabMapError(ValueError):
+class VocabMapError(StageError, ValueError):
     """A d2t / t2d pair that does not describe a valid draft vocabulary."""
 
 

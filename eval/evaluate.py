@@ -20,6 +20,7 @@ import torch
 from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
                                replay_sequence)
 from eagle3.cost_model import accept_length_from_acceptance
+from eagle3.errors import StageError
 from eagle3.loss import loss_positions, shift_left
 from eagle3.ngram import PromptLookup
 from eagle3.ttt import TTTCache, ttt_position_ids
@@ -38,7 +39,7 @@ class NgramSettings:
     prefer: str = "recent"
 
 
-class EvalInputError(ValueError):
+class EvalInputError(StageError, ValueError):
     """Drafter and store that cannot be evaluated together (the message says what differs)."""
 
 

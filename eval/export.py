@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3 import export_spec as spec
+from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
@@ -37,7 +38,7 @@ SPECULATORS_SUBDIR = "speculators"
 STAGE = "export"
 
 
-class ExportError(RuntimeError):
+class ExportError(StageError, RuntimeError):
     """The export cannot produce a directory that serves the trained drafter; lists every problem."""
 
     def __init__(self, what: str, problems: list[str]):

@@ -10,14 +10,16 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.eval import EvalConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from eval.stage import run_eval
+    with stage_errors("eval"):
+        from eval.stage import run_eval
 
-    run_eval(to_schema(cfg, EvalConfig))
+        run_eval(to_schema(cfg, EvalConfig))
 
 
 if __name__ == "__main__":

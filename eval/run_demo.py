@@ -11,14 +11,16 @@ prefer_passive_wait()  # before torch loads OpenMP (eagle3/cpu_threads.py says w
 import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.demo import DemoConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="demo", version_base=None)
 def main(cfg) -> None:
-    from eval.demo import run_demo
+    with stage_errors("demo"):
+        from eval.demo import run_demo
 
-    run_demo(to_schema(cfg, DemoConfig))
+        run_demo(to_schema(cfg, DemoConfig))
 
 
 if __name__ == "__main__":

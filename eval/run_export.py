@@ -11,17 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.export import ExportConfig  # noqa: E402
-from eval.export import ExportError, run_export  # noqa: E402
+from eval.export import run_export  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("export"):
         run_export(to_schema(cfg, ExportConfig))
-    except (ConfigError, ExportError) as e:
-        sys.exit(f"export failed: {e}")
 
 
 if __name__ == "__main__":

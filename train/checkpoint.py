@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_json, sha256_file
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -26,7 +27,7 @@ STATE_FILE = "training_state.pt"
 INDEX_FILE = "checkpoint.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StageError, RuntimeError):
     """A checkpoint that cannot be resumed from (corrupt, or from an incompatible run)."""
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.store import HiddenStateStore, StoreError
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 VOCAB_FILE = "vocab.safetensors"
 
 
-class TrainInputError(ValueError):
+class TrainInputError(StageError, ValueError):
     """Inputs that cannot be trained on together; the message says which and what to do."""
 
 

@@ -28,6 +28,7 @@ import torch
 from accelerate.utils import gather_object
 
 from eagle3.conf import as_plain_dict
+from eagle3.errors import StageError
 from eagle3.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
@@ -48,7 +49,7 @@ RESUMABLE_CHANGES = ("max_steps", "epochs", "log_every", "val_every", "val_max_b
                      "keep_checkpoints", "progress", "wandb", "on_nonfinite", "max_nonfinite_skips")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(StageError, RuntimeError):
     """The loss or gradient norm became NaN/inf; the message names the step and its sequences."""
 
 

@@ -11,14 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.schema.train import TrainConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def main(cfg) -> None:
-    from train.loop import run_train
+    with stage_errors("train"):
+        from train.loop import run_train
 
-    run_train(to_schema(cfg, TrainConfig))
+        run_train(to_schema(cfg, TrainConfig))
 
 
 if __name__ == "__main__":

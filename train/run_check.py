@@ -16,9 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 
 from eagle3 import target_io  # noqa: E402
-from eagle3.conf import ConfigError, to_schema  # noqa: E402
+from eagle3.conf import to_schema  # noqa: E402
 from eagle3.drafter_io import Mismatch, check_drafter_dir  # noqa: E402
-from eagle3.manifest import MANIFEST, ManifestError, read_manifest  # noqa: E402
+from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.manifest import MANIFEST, read_manifest  # noqa: E402
 from eagle3.schema.check import CheckConfig  # noqa: E402
 
 
@@ -71,11 +72,9 @@ def run_check(config: CheckConfig) -> CheckResult:
 
 @hydra.main(config_path="../conf", config_name="check", version_base=None)
 def main(cfg) -> None:
-    try:
+    with stage_errors("check"):
         config = to_schema(cfg, CheckConfig)
         result = run_check(config)
-    except (ConfigError, target_io.TargetError, ManifestError) as e:
-        sys.exit(f"check failed: {e}")
     print("\n".join(result.lines()))
     if not result.ok(config.fail_on_warnings):
         sys.exit(1)

@@ -22,6 +22,7 @@ import torch
 
 from eagle3.conf import as_plain_dict
 from eagle3.cpu_threads import auto_threads
+from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
 from eagle3.schema.mini_world import MiniWorldConfig
 
@@ -173,7 +174,7 @@ def source_fingerprint(path: Path, edge: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
-class MiniWorldError(RuntimeError):
+class MiniWorldError(StageError, RuntimeError):
     """The mini world cannot be built from this source and these settings (the message says why)."""
 
 

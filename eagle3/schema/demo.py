@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eagle3.conf import ConfigError
 from eagle3.schema.common import PathsConf
 
 
@@ -26,3 +27,10 @@ class DemoConfig:
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seed: int = 0
     num_threads: int = 0  # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
+
+    def validate(self) -> None:
+        # checked before the demo builds anything (the mini world alone takes minutes)
+        if self.train_steps < 1:
+            raise ConfigError(f"train_steps={self.train_steps}: must be >= 1")
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
