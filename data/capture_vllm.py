@@ -49,6 +49,16 @@ class VllmSetup:
     serve_command: str  # the exact `vllm serve ...` line
 
 
+def engine_max_model_len(cfg, max_len: int) -> int:
+    """vllm.max_model_len, else room for the longest sequence plus the one token a request generates,
+    within the target's max_position_embeddings (vLLM refuses a longer context; a sequence of exactly
+    that many tokens is then refused per request, and the run stops naming it)."""
+    if cfg.vllm.max_model_len:
+        return int(cfg.vllm.max_model_len)
+    max_pos = int(target_io.read_text_config(cfg.target.path, cfg.target.layout)["max_position_embeddings"])
+    return min(max_len + 1, max_pos)
+
+
 def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> VllmSetup:
     v = cfg.vllm
     ids = vllm_protocol.request_ids(hf_indices, num_layers)
@@ -57,7 +67,7 @@ def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> Vllm
     storage = (root / ("ids-" + "-".join(str(i) for i in ids))).resolve()
     url = urlparse(v.url)
     cmd = vllm_protocol.serve_command(cfg.target.path, ids, storage, tensor_parallel_size=v.tensor_parallel_size,
-                                      max_model_len=v.max_model_len or max_len + 1,
+                                      max_model_len=engine_max_model_len(cfg, max_len),
                                       trust_remote_code=cfg.target.trust_remote_code, dtype=cfg.target.dtype,
                                       host=url.hostname or "127.0.0.1", port=url.port or 8000)
     return VllmSetup(ids, aux_pos, last_pos, storage, v.model or str(cfg.target.path), cmd)
@@ -128,7 +138,7 @@ class InProcessEngine:
         self.setup = setup
         kwargs = vllm_protocol.llm_kwargs(cfg.target.path, setup.ids, setup.storage_dir,
                                           tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-                                          max_model_len=cfg.vllm.max_model_len or max_len + 1,
+                                          max_model_len=engine_max_model_len(cfg, max_len),
                                           trust_remote_code=cfg.target.trust_remote_code, dtype=cfg.target.dtype)
         self.llm = vllm.LLM(**kwargs)
         self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0)

@@ -21,7 +21,7 @@ class VllmCaptureConf:
     # uses <storage_dir>/ids-<layer ids>/ so that an engine started for other layers is noticed.
     storage_dir: Optional[str] = None  # null: <out_dir>/vllm_hidden_states
     tensor_parallel_size: int = 8
-    max_model_len: Optional[int] = None  # null: the capture's max sequence length + 1
+    max_model_len: Optional[int] = None  # null: the capture's max sequence length + 1 (<= max_position_embeddings)
     concurrency: int = 16  # server: requests in flight
     timeout_s: float = 600.0  # server: one request
     lock_timeout_s: float = 120.0  # how long to wait for the connector to finish writing a file
