@@ -197,55 +197,56 @@ def main() -> None:
     cfg = k25_shaped_config(SimpleNamespace(tiny=args.tiny, layers=args.layers, experts=args.experts))
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-release-"))
     ckpt = root / "k25-release"
-    t0 = time.perf_counter()
-    stored = write_release_checkpoint(cfg, ckpt, device)
-    write_s = time.perf_counter() - t0
-    torch.cuda.empty_cache() if cuda else None
-    t0 = time.perf_counter()
-    model, text = target_io.load_target(ckpt, "kimi_k25", "bfloat16", {"": 0} if cuda else None)
-    load_s = time.perf_counter() - t0
-    layers = target_io.decoder_layers(model)
-    weights_alloc = torch.cuda.memory_allocated() if cuda else 0
-    L, V = len(layers), cfg.vocab_size
-    hf_indices = [1, max(1, L // 2), L]  # the hook cost is per token: which layers does not matter
-    moe_ids = [i for i in range(L) if i >= cfg.first_k_dense_replace]
-    gb = 1e9
-    moe_gb = mean([module_bytes(layers[i]) for i in moe_ids]) / gb
-    dense_gb = module_bytes(layers[0]) / gb
-    other_gb = (module_bytes(model) - sum(module_bytes(x) for x in layers)) / gb  # embed, norm, head, vision stub
-    int4_moe_gb = mean([stored[f"layer-{i:03d}"] for i in moe_ids]) / gb
-    ckpt_gb = sum(stored.values()) / gb
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / gb if cuda else H200_GB
-    timer = LayerTimer(layers, cuda)
-    runs = [time_capture(model, layers, timer, cfg, hf_indices, n, args, cuda, moe_ids) for n in args.tokens_per_batch]
-    for r in runs:
-        r["extrapolation_61_layers_8_gpus_device_map"] = extrapolate(
-            r["seconds_per_batch"]["moe_layer"], r["seconds_per_batch"]["dense_layer"],
-            r["seconds_per_batch"]["embed_norm_head_argmax_casts"], r["tokens_per_batch"], moe_gb, dense_gb,
-            other_gb, int4_moe_gb, gpu_gb)
-    report = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "compressed_tensors": __import__("compressed_tensors").__version__},
-        "model": {"hidden": cfg.hidden_size, "layers": L, "routed_experts": cfg.n_routed_experts,
-                  "active_experts": cfg.num_experts_per_tok, "moe_intermediate": cfg.moe_intermediate_size,
-                  "vocab": V, "experts_implementation": getattr(model.config.get_text_config(), "_experts_implementation",
-                                                                None)},
-        "checkpoint": {"gb_on_disk": round(ckpt_gb, 2), "int4_gb_per_moe_layer": round(int4_moe_gb, 3),
-                       "write_seconds": round(write_s, 1), "load_seconds": round(load_s, 1),
-                       "load_gb_per_s": round(ckpt_gb / load_s, 2)},
-        "expert_dtype_after_load": str(layers[moe_ids[0]].mlp.experts.gate_up_proj.dtype) if moe_ids else None,
-        "gpu_gb_per_moe_layer": round(moe_gb, 3), "gpu_gb_dense_layer": round(dense_gb, 3),
-        "gpu_gb_embed_head_other": round(other_gb, 3),
-        "gpu_weights_allocated_gb": round(weights_alloc / gb, 2),
-        "runs": runs,
-    }
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
-    text_out = json.dumps(report, indent=1)
-    print(text_out)
+    try:  # the checkpoint is tens of GB: a temp one goes whatever happens
+        t0 = time.perf_counter()
+        stored = write_release_checkpoint(cfg, ckpt, device)
+        write_s = time.perf_counter() - t0
+        torch.cuda.empty_cache() if cuda else None
+        t0 = time.perf_counter()
+        model, text = target_io.load_target(ckpt, "kimi_k25", "bfloat16", {"": 0} if cuda else None)
+        load_s = time.perf_counter() - t0
+        layers = target_io.decoder_layers(model)
+        weights_alloc = torch.cuda.memory_allocated() if cuda else 0
+        L, V = len(layers), cfg.vocab_size
+        hf_indices = [1, max(1, L // 2), L]  # the hook cost is per token: which layers does not matter
+        moe_ids = [i for i in range(L) if i >= cfg.first_k_dense_replace]
+        gb = 1e9
+        moe_gb = mean([module_bytes(layers[i]) for i in moe_ids]) / gb
+        dense_gb = module_bytes(layers[0]) / gb
+        other_gb = (module_bytes(model) - sum(module_bytes(x) for x in layers)) / gb  # embed, norm, head, vision stub
+        int4_moe_gb = mean([stored[f"layer-{i:03d}"] for i in moe_ids]) / gb
+        ckpt_gb = sum(stored.values()) / gb
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / gb if cuda else H200_GB
+        timer = LayerTimer(layers, cuda)
+        runs = [time_capture(model, layers, timer, cfg, hf_indices, n, args, cuda, moe_ids) for n in args.tokens_per_batch]
+        for r in runs:
+            r["extrapolation_61_layers_8_gpus_device_map"] = extrapolate(
+                r["seconds_per_batch"]["moe_layer"], r["seconds_per_batch"]["dense_layer"],
+                r["seconds_per_batch"]["embed_norm_head_argmax_casts"], r["tokens_per_batch"], moe_gb, dense_gb,
+                other_gb, int4_moe_gb, gpu_gb)
+        report = {
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                         "compressed_tensors": __import__("compressed_tensors").__version__},
+            "model": {"hidden": cfg.hidden_size, "layers": L, "routed_experts": cfg.n_routed_experts,
+                      "active_experts": cfg.num_experts_per_tok, "moe_intermediate": cfg.moe_intermediate_size,
+                      "vocab": V, "experts_implementation": getattr(model.config.get_text_config(), "_experts_implementation",
+                                                                    None)},
+            "checkpoint": {"gb_on_disk": round(ckpt_gb, 2), "int4_gb_per_moe_layer": round(int4_moe_gb, 3),
+                           "write_seconds": round(write_s, 1), "load_seconds": round(load_s, 1),
+                           "load_gb_per_s": round(ckpt_gb / load_s, 2)},
+            "expert_dtype_after_load": str(layers[moe_ids[0]].mlp.experts.gate_up_proj.dtype) if moe_ids else None,
+            "gpu_gb_per_moe_layer": round(moe_gb, 3), "gpu_gb_dense_layer": round(dense_gb, 3),
+            "gpu_gb_embed_head_other": round(other_gb, 3),
+            "gpu_weights_allocated_gb": round(weights_alloc / gb, 2),
+            "runs": runs,
+        }
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(report, indent=1))
     if args.json:
-        Path(args.json).write_text(text_out + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
