@@ -169,8 +169,23 @@ def shell(cmd: list[str]) -> str:
     return " \\\n    ".join(parts)
 
 
+def speculators_embed_note(shipped: bool) -> str:
+    """When the speculators directory needs the target's embedding: vLLM shares the target's; speculators 0.9.0's
+    `Eagle3DraftModel.from_pretrained` reads a missing one from the verifier checkpoint (transformers 5.24 here) and
+    was seen by an outside check to keep zeros instead (issue 20)."""
+    if shipped:
+        return ("`speculators/` also holds the target's `embed_tokens.weight` (export.speculators_embed=true, checked "
+                "equal to the target's), for speculators' own Python API (evaluation, further training). vLLM 0.34.0 "
+                "compares a shipped embedding with the target's and, finding it equal, shares the target's "
+                "(the directory is about 2.3 GB larger for Kimi-K2.5 in bf16).")
+    return ("`speculators/` holds no embedding: vLLM serving shares the target's. To evaluate or train this drafter "
+            "through speculators' own Python API, export with `speculators_embed=true`: without it speculators "
+            "0.9.0's `Eagle3DraftModel.from_pretrained` must read the embedding from the verifier checkpoint named in "
+            "the config, and has been seen to keep an all-zero embedding without an error instead.")
+
+
 def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: Optional[list[str]],
-                   vllm_cmd: Optional[list[str]], facts: Mapping[str, Any]) -> str:
+                   vllm_cmd: Optional[list[str]], facts: Mapping[str, Any], speculators_embed: bool = False) -> str:
     """SERVE.md: the commands, the knobs and the evidence behind them, what was checked."""
     def fmt(v: Optional[float], spec: str = ".2f") -> str:
         return "not measured" if v is None else format(v, spec)
@@ -184,6 +199,7 @@ def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: O
         if choice.topk > 1:
             lines += [f"vLLM drafts a chain of num_speculative_tokens = num_steps = {choice.num_steps}; the tree "
                       f"setting (topk {choice.topk}) and its accept length below apply to SGLang only.", ""]
+        lines += [speculators_embed_note(speculators_embed), ""]
     lines += ["## Why these knobs", "",
               f"- num_steps / topk / num_draft_tokens: **{choice.num_steps} / {choice.topk} / "
               f"{choice.num_draft_tokens}** (from {choice.source})",

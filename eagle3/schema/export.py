@@ -42,6 +42,9 @@ class ExportConfig:
     dtype: str = "bfloat16"
     # null: the target's context length (its max_position_embeddings); a larger value is allowed
     max_position_embeddings: Optional[int] = None
+    # also write the target's embed_tokens.weight into speculators/: speculators' own Python API
+    # (Eagle3DraftModel.from_pretrained) needs it; vLLM serving shares the target's and does not
+    speculators_embed: bool = False
     # logit round trip on this many stored validation sequences (0 = skip), each cut to verify_tokens
     verify_sequences: int = 4
     verify_tokens: int = 256
