@@ -19,8 +19,6 @@ from eagle3.conf import compose, to_schema
 from eagle3.schema.capture import CaptureConfig
 from eagle3.store import HiddenStateStore
 
-pytest.importorskip("compressed_tensors")
-
 
 def read_tensors(ckpt) -> dict:
     with safe_open(str(ckpt / WEIGHTS), framework="pt") as f:
