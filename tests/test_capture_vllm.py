@@ -19,7 +19,7 @@ from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fak
 from tests.test_capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 
 KEYS = ("input_ids", "loss_mask", "aux", "last", "target_argmax")
-LIMIT = 10  # sequences per split (train 10, validation 5): seconds per capture
+LIMIT = 6  # sequences per split (train 6, validation 5): seconds per capture
 
 
 def free_port() -> int:
@@ -101,8 +101,8 @@ def test_server_from_the_printed_command_writes_the_hf_store(tmp_path, targets, 
     assert HiddenStateStore(out / "train").manifest["meta"]["backend"] == "vllm"
 
 
-def test_inprocess_engine_needs_the_package_then_matches_hf(tmp_path, targets, prepared, monkeypatch):  # noqa: F811
-    over = ["vllm.engine=inprocess", "aux_hf_indices=[4,2,7]"]
+def test_inprocess_engine_needs_the_package_then_matches_hf_with_fp8_aux(tmp_path, targets, prepared, monkeypatch):  # noqa: F811
+    over = ["vllm.engine=inprocess", "aux_hf_indices=[4,2,7]", "aux_dtype=float8_e4m3fn"]
     cfg = vllm_config(tmp_path, targets, prepared, "k2", overrides=over)
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(CaptureError, match=r"needs the `vllm` package.*pip install vllm==0\.34\.0"):
@@ -113,22 +113,23 @@ def test_inprocess_engine_needs_the_package_then_matches_hf(tmp_path, targets, p
     out = run_capture(cfg, Dist())
     ref = run_capture(capture_config(tmp_path, targets, prepared, "k2", out="hf",
                                      overrides=["max_tokens_per_batch=1", "aux_hf_indices=[4,2,7]",
-                                                f"limit={LIMIT}"]), Dist())
+                                                "aux_dtype=float8_e4m3fn", f"limit={LIMIT}"]), Dist())
     assert_same_store(ref, out)
     assert fake.engines[0].ids == [2, 4, 7, 8]  # ascending on the file axis; the store keeps fc's order
     assert HiddenStateStore(out / "train").hf_indices == [4, 2, 7]
+    assert HiddenStateStore(out / "train").manifest["aux_dtype"] == "float8_e4m3fn"  # the fp8 store option
     assert_no_connector_files(cfg)
 
 
 def test_engine_dying_mid_run_leaves_a_store_the_rerun_completes(tmp_path, targets, prepared, hf_store):  # noqa: F811
     port = free_port()
-    cfg = vllm_config(tmp_path, targets, prepared, port=port, overrides=["vllm.concurrency=2"])
+    cfg = vllm_config(tmp_path, targets, prepared, port=port, overrides=["vllm.concurrency=2", "shard_tokens=100"])
     cmd = serve_command_of(cfg)
-    with StandinServer.from_command(cmd, "kimi_k25", Faults(die_after=9)):
+    with StandinServer.from_command(cmd, "kimi_k25", Faults(die_after=4)):
         with pytest.raises(CaptureError, match=r"stopped answering.*rerun to resume"):
             run_capture(cfg, Dist())
     partial = json.loads((tmp_path / "vllm" / "train" / "manifest.json").read_text())
-    assert not partial["complete"] and 0 < partial["num_sequences"] < 9  # committed shards kept, not all
+    assert not partial["complete"] and 0 < partial["num_sequences"] < 4  # committed shards kept, not all
     with StandinServer.from_command(cmd, "kimi_k25") as server:
         out = run_capture(cfg, Dist())
     assert server.engine.requests < len(HiddenStateStore(out / "train")) + len(HiddenStateStore(out / "validation"))
