@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.capture import Seq, capture_batch, capture_split, Dist  # noqa: E402
-from eagle3 import target_io  # noqa: E402
+from eagle3 import aux_layers, target_io  # noqa: E402
 from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
 
 
@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
     ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="default: SGLang's for --layers")
+    ap.add_argument("--aux-hf-indices", type=int, nargs=3, default=None,
+                    help="HF hidden-state indices h (eagle3/aux_layers.py); default: SGLang's for --layers")
     ap.add_argument("--store-dtype", default="bfloat16")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--store-dir", default=None, help="where the store goes (default: a temp dir, deleted)")
@@ -103,7 +104,7 @@ def main() -> None:
         with torch.device(device):
             model = DeepseekV3ForCausalLM._from_config(cfg, dtype=dtype).eval()
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    aux_ids, _, _ = target_io.resolve_aux_layer_ids(None, args.aux_layer_ids, L)
+    hf_indices = aux_layers.choose_hf_indices(None, None, args.aux_hf_indices, L).hf_indices
     store_dtype = getattr(torch, args.store_dtype)
     per_batch = max(1, args.tokens_per_batch // args.seq_len)
     g = torch.Generator().manual_seed(0)
@@ -120,20 +121,20 @@ def main() -> None:
 
     def capture():
         for b in batches:
-            capture_batch(model, tm, b, aux_ids, store_dtype, 4096)
+            capture_batch(model, tm, b, hf_indices, store_dtype, 4096)
 
     store_root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-capture-"))
 
     def store():
         out = store_root / f"store-{time.time_ns()}"
-        writer = HiddenStateWriter(out, hidden_size=H, target_hidden_size=H, aux_layer_ids=aux_ids,
-                                   hf_indices=[i + 1 for i in aux_ids], dtype=args.store_dtype,
+        writer = HiddenStateWriter(out, hidden_size=H, target_hidden_size=H, hf_indices=hf_indices,
+                                   dtype=args.store_dtype,
                                    shard_tokens=args.shard_tokens, background=True)
         rows = [{"input_ids": x, "loss_mask": torch.ones_like(x)} for b in batches for x in b]
         seqs = [Seq(i, f"s{i}", args.seq_len, i) for i in range(len(rows))]
         ccfg = SimpleNamespace(dtype=args.store_dtype, max_tokens_per_batch=args.tokens_per_batch,
                                argmax_chunk_tokens=4096, progress=False)
-        capture_split(model, rows, seqs, writer, ccfg, aux_ids, Dist(), "bench")
+        capture_split(model, rows, seqs, writer, ccfg, hf_indices, Dist(), "bench")
         writer.finish()
         return out
 
@@ -157,12 +158,12 @@ def main() -> None:
         "target": args.target or "random DeepSeek-V3 (K2.5 shapes)",
         "model": {"hidden": H, "layers": L, "routed_experts": cfg.n_routed_experts, "vocab": V,
                   "dtype": str(dtype).replace("torch.", "")},
-        "aux_layer_ids": aux_ids, "tokens": tokens, "tokens_per_batch": per_batch * args.seq_len,
+        "aux_hf_indices": hf_indices, "tokens": tokens, "tokens_per_batch": per_batch * args.seq_len,
         "seq_len": args.seq_len, **results,
         "capture_overhead_pct": round(100 * (results["capture"]["seconds"] / bare_s - 1), 2),
         "store_overhead_pct": round(100 * (results["store"]["seconds"] / bare_s - 1), 2),
         "bytes_per_token": round(shard_bytes / st.num_tokens, 1),
-        "bytes_per_token_states": (len(aux_ids) + 1) * H * store_dtype.itemsize,
+        "bytes_per_token_states": (len(hf_indices) + 1) * H * store_dtype.itemsize,
         "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
     }
     if not args.store_dir:

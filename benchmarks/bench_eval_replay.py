@@ -42,7 +42,7 @@ def main():
     H, I, h, hkv, d, V, DV = PRESETS[args.preset]
     dt = getattr(torch, args.dtype)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=h, num_key_value_heads=hkv,
-                        head_dim=d, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, aux_layer_ids=[0, 1, 2])
+                        head_dim=d, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, aux_hf_indices=[1, 2, 3])
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
@@ -56,7 +56,7 @@ def main():
     n_seq = max(1, args.tokens // args.seq_len)
     if args.disk:
         with tempfile.TemporaryDirectory() as tmp:
-            w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, aux_layer_ids=[0, 1, 2],
+            w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, hf_indices=[1, 2, 3],
                                   hf_indices=[1, 2, 3], dtype="bfloat16", shard_tokens=1 << 16)
             for i in range(n_seq):
                 s = FakeStore.make(i, args.seq_len, H, V)

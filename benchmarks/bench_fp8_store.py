@@ -88,7 +88,7 @@ def aux_error(bf16_dir: Path, fp8_dir: Path) -> dict:
     a, b = HiddenStateStore(bf16_dir / "validation"), HiddenStateStore(fp8_dir / "validation")
     max_rel, l2 = [], []
     for i in range(len(a)):
-        layers = len(a.aux_layer_ids)
+        layers = len(a.hf_indices)
         x = a[i]["aux"].float().view(a.lengths[i], layers, -1)
         y = b[i]["aux"].float().view(x.shape)
         err = (x - y).abs()
@@ -160,12 +160,12 @@ def main() -> None:
     paths = [f"paths.root={work}", f"paths.mini_world={world}", "target=k25_mini"]
     prep = args.prepare_dir or run_stage("prepare", paths + PREPARE, log)
     layers = json.loads((world / "k25-mini" / "config.json").read_text())["text_config"]["num_hidden_layers"]
-    aux_ids = [2, layers // 2, layers - 3]  # Kimi-K2's pattern, as the demo uses
+    hf_indices = [2, layers // 2, layers - 3]  # SGLang's default capture (Kimi's h), as the demo uses
 
     captures, trains = {}, {}
     for fmt, extra in FORMATS.items():
         captures[fmt] = run_stage("capture", paths + [f"in_dir={prep}", f"out_dir={stages}/capture-{fmt}",
-                                                      f"aux_layer_ids=[{','.join(map(str, aux_ids))}]",
+                                                      f"aux_hf_indices=[{','.join(map(str, hf_indices))}]",
                                                       "progress=false", *extra], log)
     vocab = run_stage("vocab", paths + [f"in_dir={prep}", f"out_dir={stages}/vocab"], log)
     for fmt in FORMATS:
@@ -185,7 +185,7 @@ def main() -> None:
     sizes = {fmt: {**store_bytes(captures[fmt]), "read_train_s": read_seconds(captures[fmt])} for fmt in FORMATS}
     error = aux_error(captures["bf16"], captures["fp8"])
     result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "mini_world": str(world),
-              "prepare_dir": str(prep), "work": str(work), "aux_layer_ids": aux_ids, "max_steps": args.max_steps,
+              "prepare_dir": str(prep), "work": str(work), "aux_hf_indices": hf_indices, "max_steps": args.max_steps,
               "stores": sizes, "aux_bytes_ratio": sizes["fp8"]["aux_bytes_per_token"] / sizes["bf16"]["aux_bytes_per_token"],
               "total_bytes_ratio": sizes["fp8"]["bytes_per_token"] / sizes["bf16"]["bytes_per_token"],
               "aux_error": error, "dequant_k25_width": dequant_k25_seconds(), "evals": evals, "stage_seconds": log,

@@ -107,7 +107,7 @@ def train_old_drafter(args):
         counts = sum(masked_token_counts(train[i]["input_ids"], train[i]["loss_mask"], V) for i in range(len(train)))
         new_ids = top_n_vocab(counts, args.old_vocab_size)
     lm_rows = target_io.load_lm_head_rows(target, "causal_lm", new_ids).float()
-    model, _ = build_training_drafter("scratch", None, target, "causal_lm", new_ids, train.aux_layer_ids)
+    model, _ = build_training_drafter("scratch", None, target, "causal_lm", new_ids, train.hf_indices)
     out = fine_tune(model, train, lm_rows, args.old_steps, args.lr * 2, args.batch, args.max_len, args.ttt)
     save_drafter_dir(model, args.make_old, dtype="bfloat16")
     print(json.dumps({"old_drafter": args.make_old, "steps": args.old_steps, "last_step_acc": out.step_acc.tolist()}))
@@ -151,7 +151,7 @@ def main():
     results = {}
     for rule in args.rules:
         torch.manual_seed(0)
-        model, report = build_training_drafter("aqmedai_k2", old, target, args.layout, new_ids, train.aux_layer_ids,
+        model, report = build_training_drafter("aqmedai_k2", old, target, args.layout, new_ids, train.hf_indices,
                                                rule)
         before = evaluate(model, val, lm_rows, fresh_mask, args.ttt, args.max_len, args.batch)
         t0 = time.perf_counter()

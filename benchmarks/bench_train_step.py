@@ -80,7 +80,7 @@ def build(dims: dict, ttt: int, device: torch.device, bf16: bool):
     cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                         num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
                         head_dim=dims["head_dim"], vocab_size=dims["vocab"], draft_vocab_size=dims["draft_vocab"],
-                        target_hidden_size=dims["hidden"], aux_layer_ids=[2, 30, 58], rope_theta=1e6)
+                        target_hidden_size=dims["hidden"], aux_hf_indices=[2, 30, 58], rope_theta=1e6)
     torch.manual_seed(0)
     with torch.device(device):
         drafter = Eagle3Drafter(cfg)
@@ -249,7 +249,7 @@ def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tens
     from eagle3.store import HiddenStateWriter
 
     writer = HiddenStateWriter(out_dir, hidden_size=dims["hidden"], target_hidden_size=dims["hidden"],
-                               aux_layer_ids=[2, 30, 58], hf_indices=[3, 31, 59], shard_tokens=4 * T)
+                               hf_indices=[2, 30, 58], shard_tokens=4 * T)
     for i in range(n):
         b = make_batch(dims, 1, T + i, draft_ids, "cpu")
         b = {k: v[0, :T] for k, v in b.items()}

@@ -3,7 +3,8 @@
 post-norm state [H], the target's argmax, the input id and the loss mask.
 
 Order of work, so that bad input fails before the (possibly 10-minute) model load:
-  1. prepare manifest, target config, layer ids (out of range -> error), tokenizer fingerprint
+  1. prepare manifest, target config, aux hidden-state indices h (eagle3/aux_layers.py: from the init
+     drafter's ids by init.aux_id_rule, or aux_hf_indices, or SGLang's default; checked), tokenizer fingerprint
      against the one the dataset was prepared with, dataset columns / token id range;
   2. reuse: a stage manifest matching config + inputs returns at once;
   3. load the target, capture each split, merge the parts of a multi-process run, write manifest.
@@ -30,7 +31,9 @@ from typing import Callable
 
 import torch
 
-from eagle3 import target_io
+from eagle3 import aux_layers, target_io
+from eagle3.aux_layers import AuxChoice, AuxLayerError
+from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
 from eagle3.errors import StageError
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
 
@@ -141,7 +144,7 @@ def check_dataset(ds, split: str, vocab_size: int) -> None:
                            f"{vocab_size}: the dataset was prepared with another tokenizer")
 
 
-def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: list[int], store_dtype: torch.dtype,
+def capture_batch(model, text_model, batch_ids: list[torch.Tensor], hf_indices: list[int], store_dtype: torch.dtype,
                   argmax_chunk_tokens: int):
     """Forward one right-padded batch with hooks. Returns per sequence (aux [T,3H], last [T,H],
     argmax [T], finite: bool): aux/last in the store dtype, left on the device (the store writer
@@ -154,7 +157,7 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: lis
     for b, x in enumerate(batch_ids):
         input_ids[b, : len(x)] = x
         attn[b, : len(x)] = 1
-    with torch.no_grad(), target_io.AuxHiddenCapture(model, aux_ids) as cap:
+    with torch.no_grad(), target_io.AuxHiddenCapture(model, hf_indices) as cap:
         text_model(input_ids=input_ids.to(device), attention_mask=attn.to(device), use_cache=False)
         last = cap.last.to(store_dtype)  # [B, Tmax, H], what lm_head consumes
         argmax = target_io.argmax_from_last(model, cap.last, argmax_chunk_tokens)  # [B, Tmax]
@@ -165,7 +168,7 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], aux_ids: lis
     return [(aux[b, : len(x)], last[b, : len(x)], argmax[b, : len(x)], finite[b]) for b, x in enumerate(batch_ids)]
 
 
-def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, aux_ids: list[int], dist: Dist,
+def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf_indices: list[int], dist: Dist,
                   desc: str) -> dict:
     """Capture this process's batches of one split into `writer` (resuming: committed sequences
     are skipped, a batch partly committed is recomputed whole so its values are unchanged)."""
@@ -185,7 +188,7 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, au
             rows = [ds[s.index] for s in batch]
             ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
             masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
-            outs = capture_batch(model, tm, ids, aux_ids, store_dtype, cfg.argmax_chunk_tokens)
+            outs = capture_batch(model, tm, ids, hf_indices, store_dtype, cfg.argmax_chunk_tokens)
             for s, x, m, (aux, last, am, finite) in zip(batch, ids, masks, outs):
                 if s.id in writer.done_ids:
                     continue
@@ -280,6 +283,19 @@ def check_tokenizer(cfg, prep_manifest: dict) -> str:
     return fp
 
 
+def choose_aux_layers(cfg, num_layers: int) -> AuxChoice:
+    """h to capture (aux_layers.choose_hf_indices): the +init drafter's listed ids read by init.aux_id_rule
+    (its disagreement between SGLang versions printed), else capture.aux_hf_indices, else SGLang's default."""
+    listed, where, rule = None, None, aux_layers.DEFAULT_RULE
+    if cfg.init is not None and cfg.init.drafter_path:
+        where, rule = cfg.init.drafter_path, cfg.init.aux_id_rule
+        listed = listed_aux_ids(read_config_dict(where))
+        note = listed and aux_layers.disagreement_note(listed, rule, f"init drafter {where}")
+        if note:
+            print(f"[capture] WARNING {note}")
+    return aux_layers.choose_hf_indices(listed, where, cfg.aux_hf_indices, num_layers, rule)
+
+
 def run_capture(cfg, dist: Dist | None = None) -> Path:
     """The capture stage (`cfg`: eagle3.schema.capture.CaptureConfig). Returns the stage dir."""
     import datasets
@@ -295,10 +311,12 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     try:
         text_cfg = target_io.read_text_config(cfg.target.path, cfg.target.layout)
         L, H, V = text_cfg["num_hidden_layers"], text_cfg["hidden_size"], text_cfg["vocab_size"]
-        init_dir = cfg.init.drafter_path if cfg.init is not None else None
-        aux_ids, hf_indices, source = target_io.resolve_aux_layer_ids(init_dir, cfg.aux_layer_ids, L)
-    except target_io.TargetError as e:
+        aux = choose_aux_layers(cfg, L)
+    except (target_io.TargetError, DrafterLoadError, AuxLayerError) as e:
         raise CaptureError(str(e)) from e
+    hf_indices = aux.hf_indices
+    print(f"[capture] aux hidden states h = {hf_indices} (HF output_hidden_states; from {aux.source}"
+          + (f", ids {aux.listed_ids} read by rule {aux.rule!r}" if aux.rule else "") + ")")
     max_len = cfg.max_seq_len or int(text_cfg["max_position_embeddings"])
     fingerprints = {"target": target_fingerprint(cfg.target.path), "tokenizer": check_tokenizer(cfg, prep_manifest),
                     "prepare": fingerprint(in_dir)}
@@ -337,7 +355,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
                                          cfg.target.device_map, cfg.target.trust_remote_code)
         if cfg.target.device_map is None:
             model.to(_process_device(dist))
-    header = {"hidden_size": H, "target_hidden_size": H, "aux_layer_ids": aux_ids, "hf_indices": hf_indices}
+    header = {"hidden_size": H, "target_hidden_size": H, "hf_indices": hf_indices, "aux_provenance": aux.provenance()}
     results = {}
     for split, ds in splits.items():
         seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
@@ -352,7 +370,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         if vllm_setup is not None:
             run = capture_vllm.capture_split(engine, teacher, ds, seqs, writer, cfg, vllm_setup, f"capture {split}")
         else:
-            run = capture_split(model, ds, seqs, writer, cfg, aux_ids, dist, desc=f"capture {split}")
+            run = capture_split(model, ds, seqs, writer, cfg, hf_indices, dist, desc=f"capture {split}")
         manifest = writer.finish()
         dist.barrier()
         if dist.world > 1 and dist.is_main:
@@ -366,10 +384,11 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         engine.close()
     if dist.is_main:
         state_bytes = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
-        aux_bytes = len(aux_ids) * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else len(aux_ids) * H * state_bytes
+        n_aux = len(hf_indices)
+        aux_bytes = n_aux * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else n_aux * H * state_bytes
         bytes_per_token = aux_bytes + H * state_bytes + 9
         write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
-                       aux_layer_ids=aux_ids, hf_indices=hf_indices, aux_layer_source=source,
+                       hf_indices=hf_indices, aux_layers=aux.provenance(),
                        target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
                                "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
                        world_size=dist.world, store_dtype=cfg.dtype, store_aux_dtype=cfg.aux_dtype or cfg.dtype,

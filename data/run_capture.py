@@ -1,8 +1,9 @@
 """Entry point of the capture stage: `python data/run_capture.py [overrides]` (`make capture-hidden`).
 
 Runs the target over the prepared dataset and writes per split a hidden-state store.
-  +init=aqmedai_k2        take the aux layer ids from that drafter's eagle_config
-  aux_layer_ids=[2,30,58] or give them explicitly (null: SGLang's default)
+  +init=aqmedai_k2        take the aux states from that drafter's eagle_config ids, read by
+                          init.aux_id_rule (sglang = current SGLang | sglang_legacy | vllm)
+  aux_hf_indices=[2,30,58] or name the HF hidden-state indices h directly (null: SGLang's default)
   accelerate launch --num_processes N data/run_capture.py ...   one slice per process, merged by rank 0
 """
 import sys

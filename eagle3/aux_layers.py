@@ -21,7 +21,8 @@ Pure functions on int lists; imports nothing but the standard library.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
 
 from eagle3.errors import StageError
 
@@ -110,25 +111,97 @@ def sglang_export_ids(hf_indices: Sequence[int]) -> tuple[list[int], bool]:
     return ids, portable
 
 
+# Written into SGLang drafter configs beside eagle_config: the trained h and the SGLang versions that read
+# the listed ids as h (never read back as the truth: the ids are, by the reader's rule).
+META_KEY = "eagle3_aux_hidden_states"
+SGLANG_RULE_CHANGE = "SGLang with PR #25454 (merged 2026-05-16) or later"
+
+
+def sglang_config_entries(hf_indices: Sequence[int]) -> dict:
+    """The SGLang drafter config's entries for trained `hf_indices`: `eagle_config` with the ids
+    (`sglang_export_ids`) and `META_KEY` saying what they mean and for which SGLang versions."""
+    ids, portable = sglang_export_ids(hf_indices)
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            META_KEY: {"hf_indices": [int(h) for h in hf_indices], "eagle_aux_hidden_state_layer_ids": ids,
+                       "sglang_rule": "h = id + 1 if ids[0] == 1 else id",
+                       "sglang_versions": "every version" if portable else SGLANG_RULE_CHANGE}}
+
+
 def readings(ids: Sequence[int]) -> dict[str, list[int]]:
     """h under every rule for a config listing `ids` (for reports where the rules disagree)."""
     return {rule: hf_indices_from_ids(ids, rule) for rule in RULES}
 
 
-def validate_hf_indices(hf_indices, num_layers: int, what: str = "aux hidden-state indices") -> list[int]:
+def validate_hf_indices(hf_indices, num_layers: Optional[int], what: str = "aux hidden-state indices") -> list[int]:
     """Exactly three distinct indices, each the output of a decoder layer: 1 <= h <= L - 1 (SGLang
-    and vLLM capture the stream entering loop index h < L; h = 0 is the embeddings, not captured)."""
+    and vLLM capture the stream entering loop index h < L; h = 0 is the embeddings, not captured), and
+    not h[0] == 1, which current SGLang cannot be told (a first id 1 means h = 2; `ids_for_rule`).
+    num_layers None: everything but the range (a config checked before the target is known)."""
     h = as_int_list(hf_indices, what)
-    L = int(num_layers)
     problems = []
     if len(h) != NUM_AUX_LAYERS:
         problems.append(f"{len(h)} given, an EAGLE-3 drafter reads exactly {NUM_AUX_LAYERS}")
     dup = sorted({i for i in h if h.count(i) > 1})
     if dup:
         problems.append(f"{dup} repeated (three distinct layers expected)")
-    bad = [i for i in h if not 1 <= i <= L - 1]
+    bad = [i for i in h if i < 1 or (num_layers is not None and i > int(num_layers) - 1)]
+    L = "L" if num_layers is None else int(num_layers)
     if bad:
-        problems.append(f"{bad} outside 1..{L - 1} (h = i + 1 is the output of decoder layer i of {L})")
+        top = "L-1" if num_layers is None else L - 1
+        problems.append(f"{bad} outside 1..{top} (h = i + 1 is the output of decoder layer i of {L})")
+    if h and h[0] == 1:
+        problems.append("h[0] = 1 (the output of decoder layer 0) cannot be served by current SGLang, which reads a "
+                        "first id 1 as h = 2: list another layer first")
     if problems:
         raise AuxLayerError(f"{what} {h}: " + "; ".join(problems))
     return h
+
+
+def disagreement_note(ids: Sequence[int], rule: str, where: str) -> str | None:
+    """One line when SGLang's two rules read `ids` differently (first id not 1), naming every reading and
+    the one used; None when current and legacy SGLang agree."""
+    r = readings(ids)
+    if r["sglang"] == r["sglang_legacy"]:
+        return None
+    return (f"{where}: eagle_aux_hidden_state_layer_ids {list(ids)} are read differently by the engines: current "
+            f"SGLang (PR #25454+) h = {r['sglang']}, SGLang before it h = {r['sglang_legacy']}, vLLM h = {r['vllm']}; "
+            f"using rule {rule!r}: h = {r[rule]} (init.aux_id_rule selects the rule)")
+
+
+@dataclass(frozen=True)
+class AuxChoice:
+    """The hidden states a capture takes, and why."""
+    hf_indices: list[int]
+    source: str                       # "init_drafter:<dir>" | "config" | "sglang_default"
+    rule: Optional[str] = None        # the engine rule that read `listed_ids` (None: no ids were read)
+    listed_ids: Optional[list[int]] = None
+
+    def provenance(self) -> dict:
+        """What manifests record beside h: the rule, the source, and the ids as listed with every reading."""
+        out = {"hf_indices": list(self.hf_indices), "source": self.source, "rule": self.rule,
+               "listed_ids": self.listed_ids}
+        if self.listed_ids is not None:
+            out["readings"] = readings(self.listed_ids)
+        return out
+
+
+def choose_hf_indices(listed_ids: Optional[Sequence[int]], init_where: Optional[str], configured,
+                      num_layers: int, rule: str = DEFAULT_RULE) -> AuxChoice:
+    """h to capture: the init drafter's listed ids read by `rule` if it lists some, else `configured`
+    (h, as the project's config names it), else SGLang's default. A configured h that differs from the
+    init drafter's reading is an error (its fc was trained on those states). Validated against the
+    target's `num_layers` (call before loading the target)."""
+    check_rule(rule)
+    if listed_ids is not None:
+        h = hf_indices_from_ids(listed_ids, rule)
+        choice = AuxChoice(h, f"init_drafter:{init_where}", rule, [int(i) for i in listed_ids])
+        if configured is not None and as_int_list(configured, "aux_hf_indices") != h:
+            raise AuxLayerError(f"aux_hf_indices={list(configured)} conflicts with the init drafter {init_where}: it "
+                                f"lists ids {list(listed_ids)}, read by rule {rule!r} as h = {h} (its fc was trained "
+                                f"on those states). Drop aux_hf_indices, change init.aux_id_rule, or use another init.")
+    elif configured is not None:
+        choice = AuxChoice(as_int_list(configured, "aux_hf_indices"), "config")
+    else:
+        choice = AuxChoice(sglang_default_hf_indices(num_layers), "sglang_default")
+    validate_hf_indices(choice.hf_indices, num_layers, f"aux hidden-state indices (from {choice.source})")
+    return choice

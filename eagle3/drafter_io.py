@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3 import aux_layers
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes
 from eagle3.model import DrafterConfig, Eagle3Drafter, vocab_mapping_problems
@@ -51,14 +52,42 @@ def torch_dtype(name: str | torch.dtype | None) -> Optional[torch.dtype]:
     return _DTYPES[name]
 
 
-def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:
+def read_config_dict(drafter_dir: str | Path) -> dict:
+    """The drafter's `config.json` as a dict (a clear error for a missing or unreadable file)."""
     path = Path(drafter_dir) / CONFIG
     if not path.is_file():
         raise DrafterLoadError(f"drafter {drafter_dir}: no {CONFIG} (not a drafter directory?)")
     try:
-        return DrafterConfig.from_hf_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, ValueError, TypeError) as e:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
         raise DrafterLoadError(f"{path}: {e}") from e
+    if not isinstance(d, dict):
+        raise DrafterLoadError(f"{path}: a JSON object expected, found {type(d).__name__}")
+    return d
+
+
+def listed_aux_ids(config: dict) -> Optional[list[int]]:
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` as listed in an SGLang drafter config (None: absent)."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else aux_layers.as_int_list(ids, "eagle_aux_hidden_state_layer_ids")
+
+
+def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE) -> DrafterConfig:
+    """The drafter's config, its aux layer ids read as hidden-state indices by `id_rule`; a config whose
+    ids the SGLang versions read differently is reported on the console with every reading."""
+    d = read_config_dict(drafter_dir)
+    try:
+        ids = listed_aux_ids(d)
+        cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
+    except (ValueError, TypeError) as e:
+        raise DrafterLoadError(f"{Path(drafter_dir) / CONFIG}: {e}") from e
+    note = ids and aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}")
+    if note:
+        log.warning(note)
+    if cfg.unknown_keys:  # eagle3/drafter_keys.py lists every key an engine reads; these are none of them
+        log.warning("drafter %s: config keys no known engine reads, ignored and not written back: %s",
+                    drafter_dir, cfg.unknown_keys)
+    return cfg
 
 
 @contextmanager
@@ -99,12 +128,13 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.export_state_dict().items()}
 
 
-def inspect_drafter_dir(drafter_dir: str | Path) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], dict, list[str]]:
+def inspect_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE
+                        ) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], dict, list[str]]:
     """Read config and tensor shapes (headers only, no weights). Returns (cfg, shapes by canonical
     name, {canonical name: (stored name, file)}, problems) where problems are the strict-key
     failures: missing, unexpected, mis-shaped."""
     drafter_dir = Path(drafter_dir)
-    cfg = read_drafter_config(drafter_dir)
+    cfg = read_drafter_config(drafter_dir, id_rule)
     files = _weight_files(drafter_dir)
     want = expected_shapes(cfg)
     # Some exporters prefix every name with `model.`; accept that form when it is consistent.
@@ -144,21 +174,26 @@ def _read(where: dict, name: str) -> torch.Tensor:
 
 
 def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tensor] = None,
-                     device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Eagle3Drafter:
+                     device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                     id_rule: str = aux_layers.DEFAULT_RULE) -> Eagle3Drafter:
     """Load a drafter directory into an Eagle3Drafter (weights cast to `dtype`, default the config's
     torch_dtype). `embed_tokens` [V, H] are the target's embeddings; without them a shipped
     embedding is used, else the embedding stays randomly initialised (reported). The model adopts
     `embed_tokens` without a copy when device and dtype already match (4.7 GB for K2.5 in fp32).
-    The load report is on `model.load_report`."""
+    The load report is on `model.load_report`. `id_rule`: how config.json's aux layer ids become
+    hidden-state indices (aux_layers.RULES)."""
     drafter_dir = Path(drafter_dir)
-    cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir)
+    cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule)
     if problems:
         raise DrafterLoadError(f"drafter {drafter_dir} does not match its config.json:\n  - " + "\n  - ".join(problems))
     dt = torch_dtype(dtype) or torch_dtype(cfg.torch_dtype if cfg.torch_dtype in _DTYPES else "float32")
     report: dict[str, Any] = {"dir": str(drafter_dir), "dtype": str(dt).replace("torch.", ""),
+                              "aux_hf_indices": cfg.aux_hf_indices, "aux_id_rule": id_rule,
                               "ignored_files": sorted(p.name for p in drafter_dir.iterdir()
                                                       if p.name not in (CONFIG, WEIGHTS, INDEX)
                                                       and not p.name.endswith(".safetensors"))}
+    if cfg.unknown_keys:
+        report["unknown_config_keys"] = list(cfg.unknown_keys)  # ignored, never written back (drafter_keys)
     tensors = {name: _read(where, name) for name in where if name != EMBED}
     if "d2t" not in tensors:  # full-vocab drafter (checked optional above)
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
@@ -247,16 +282,11 @@ class Mismatch:
         return f"{'ERROR' if self.fatal else 'WARNING'} {self.key}: {self.problem}. Fix: {self.fix}"
 
 
-def _sglang_default_aux_ids(num_layers: int) -> list[int]:
-    """SGLang without eagle_config captures HF indices [2, L//2, L-3] = layer ids one lower."""
-    return [i - 1 for i in (2, num_layers // 2, num_layers - 3)]
-
-
 def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dict,
-                             aux_layer_ids_captured: Optional[list[int]] = None,
+                             hf_indices_captured: Optional[list[int]] = None,
                              d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None) -> list[Mismatch]:
     """Every way the drafter does not fit the target (text config dict: hidden_size, num_hidden_layers,
-    vocab_size, max_position_embeddings, ...), and optionally the captured aux ids and the mapping."""
+    vocab_size, max_position_embeddings, ...), and optionally the captured hidden-state indices and the mapping."""
     c, t = drafter_cfg, target_text_config
     out: list[Mismatch] = []
     H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
@@ -269,21 +299,22 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
     if c.vocab_size != V:
         out.append(Mismatch("vocab_size", f"drafter {c.vocab_size} != target {V}",
                             "the drafter comes from another tokenizer; use one for this target"))
-    ids = c.aux_layer_ids
-    if ids is None:
-        ids = _sglang_default_aux_ids(L)
-        out.append(Mismatch("eagle_config", f"no eagle_aux_hidden_state_layer_ids: SGLang falls back to layer ids {ids}",
-                            "write eagle_config.eagle_aux_hidden_state_layer_ids explicitly (export does)", fatal=False))
-    if len(ids) != 3:
-        out.append(Mismatch("aux_layer_ids", f"{len(ids)} ids {ids}; EAGLE-3's fc takes exactly 3 states",
-                            "list 3 decoder layer ids"))
-    bad = [i for i in ids if not 0 <= int(i) < L]
-    if bad:
-        out.append(Mismatch("aux_layer_ids", f"{bad} outside the target's decoder layers [0, {L})",
-                            f"choose ids in [0, {L - 1}] (SGLang's default for {L} layers: {_sglang_default_aux_ids(L)})"))
-    if aux_layer_ids_captured is not None and [int(i) for i in aux_layer_ids_captured] != [int(i) for i in ids]:
-        out.append(Mismatch("aux_layer_ids", f"drafter uses layers {list(ids)}, the hidden states were captured at "
-                            f"{list(aux_layer_ids_captured)}", "recapture with the drafter's ids, or fix the config"))
+    h = c.aux_hf_indices
+    if h is None:
+        h = aux_layers.sglang_default_hf_indices(L)
+        out.append(Mismatch("eagle_config", f"no eagle_aux_hidden_state_layer_ids: SGLang falls back to hidden-state "
+                            f"indices h = {h}", "write eagle_config.eagle_aux_hidden_state_layer_ids explicitly "
+                            "(export does)", fatal=False))
+    try:
+        if c.aux_hf_indices is not None:  # (SGLang's own default is checked where a capture takes it)
+            aux_layers.validate_hf_indices(h, L, "drafter aux hidden-state indices")
+    except aux_layers.AuxLayerError as e:
+        out.append(Mismatch("aux_hf_indices", str(e), f"use 3 distinct indices in 1..{L - 1} (SGLang's default for "
+                            f"{L} layers: h = {aux_layers.sglang_default_hf_indices(L)})"))
+    if hf_indices_captured is not None and [int(i) for i in hf_indices_captured] != [int(i) for i in h]:
+        out.append(Mismatch("aux_hf_indices", f"drafter reads hidden states h = {list(h)}, the store holds h = "
+                            f"{list(hf_indices_captured)}", "recapture with the drafter's layers, or check "
+                            "init.aux_id_rule (how its config's ids are read)"))
     tmax = int(t.get("max_position_embeddings") or 0)
     if c.max_position_embeddings < tmax:
         out.append(Mismatch("max_position_embeddings", f"drafter {c.max_position_embeddings} < target context {tmax}",
@@ -305,9 +336,9 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
 
 
 def check_compatibility(drafter_cfg: DrafterConfig, target_text_config: dict,
-                        aux_layer_ids_captured: Optional[list[int]] = None, **mapping) -> list[str]:
+                        hf_indices_captured: Optional[list[int]] = None, **mapping) -> list[str]:
     """Mismatches as readable lines ('ERROR ...' stops a run, 'WARNING ...' does not)."""
-    return [str(m) for m in compatibility_mismatches(drafter_cfg, target_text_config, aux_layer_ids_captured, **mapping)]
+    return [str(m) for m in compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured, **mapping)]
 
 
 def raise_on_fatal(mismatches: list[Mismatch], what: str) -> list[Mismatch]:
@@ -320,18 +351,19 @@ def raise_on_fatal(mismatches: list[Mismatch], what: str) -> list[Mismatch]:
 
 
 def assert_compatible(drafter_cfg: DrafterConfig, target_text_config: dict,
-                      aux_layer_ids_captured: Optional[list[int]] = None, **mapping) -> list[Mismatch]:
-    return raise_on_fatal(compatibility_mismatches(drafter_cfg, target_text_config, aux_layer_ids_captured, **mapping),
+                      hf_indices_captured: Optional[list[int]] = None, **mapping) -> list[Mismatch]:
+    return raise_on_fatal(compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured, **mapping),
                           "drafter is not compatible with the target")
 
 
 def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
-                      aux_layer_ids_captured: Optional[list[int]] = None) -> tuple[Optional[DrafterConfig], list[Mismatch]]:
+                      hf_indices_captured: Optional[list[int]] = None, id_rule: str = aux_layers.DEFAULT_RULE
+                      ) -> tuple[Optional[DrafterConfig], list[Mismatch]]:
     """The full check of a drafter directory (config, weight names/shapes, mapping) against a target,
     reading only headers and the small d2t/t2d tensors. A config that cannot be read is one fatal
-    mismatch (cfg None)."""
+    mismatch (cfg None). `id_rule` reads the config's aux layer ids (aux_layers.RULES)."""
     try:
-        cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir)
+        cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule)
     except DrafterLoadError as e:
         return None, [Mismatch("config", str(e), "point at a drafter directory (config.json + model.safetensors)")]
     out = [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes") for p in problems]
@@ -342,8 +374,9 @@ def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
         else:
             out.append(Mismatch("t2d", "absent (SGLang ignores it; other loaders need it)", "write t2d (export does)",
                                 fatal=False))
-    return cfg, out + compatibility_mismatches(cfg, target_text_config, aux_layer_ids_captured, **mapping)
+    return cfg, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping)
 
-__all__ = ["DrafterLoadError", "load_drafter_dir", "save_drafter_dir", "read_drafter_config", "inspect_drafter_dir",
+__all__ = ["DrafterLoadError", "load_drafter_dir", "save_drafter_dir", "read_drafter_config", "read_config_dict",
+           "listed_aux_ids", "inspect_drafter_dir",
            "expected_shapes", "check_compatibility", "compatibility_mismatches", "assert_compatible",
            "check_drafter_dir", "raise_on_fatal", "CompatibilityError", "Mismatch"]

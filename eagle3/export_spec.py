@@ -12,11 +12,10 @@ Two formats:
 Embeddings are the target's (SGLang calls ``set_embed``; vLLM shares the target's when the checkpoint has
 none), so neither format ships ``embed_tokens``.
 
-Aux layer ids differ between the two servers (checked against their sources): SGLang captures at
-``id + 1`` for every id of ``eagle_config.eagle_aux_hidden_state_layer_ids`` (the output of decoder layer
-``id``), while vLLM captures the residual stream *entering* layer ``id``, i.e. Hugging Face
-``output_hidden_states[id]``. So the SGLang config carries the capture's *layer ids* and the speculators
-config carries the capture's *HF indices* (= ids + 1); both name the same states.
+Aux layer ids: each engine turns a config's ids into Hugging Face hidden-state indices h by its own rule
+(eagle3/aux_layers.py, with the source lines). The SGLang config carries ids that mean the trained h in
+every SGLang version where such a list exists (h [2, 30, 58] -> ids [1, 29, 57]), else the current rule's
+ids plus a version requirement (`aux_layers.META_KEY`); the speculators config carries vLLM's ids (= h).
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
+
+from eagle3 import aux_layers, drafter_keys
 
 FORMATS = ("sglang", "speculators")
 FORMAT_CHOICES = FORMATS + ("both",)
@@ -40,6 +41,9 @@ LAYER_WEIGHTS = (
 )
 TOP_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight")
 VOCAB_BUFFERS = ("d2t", "t2d")
+# The target's input embedding: never in the SGLang directory; in the speculators one only on request (export's
+# speculators_embed), equal to the target's, for speculators' Python API (vLLM shares the target's either way).
+EMBED = "embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,10 @@ def from_format_name(name: str, fmt: str) -> str:
     return name
 
 
-def expected_tensors(shape: DrafterShape, fmt: str = "sglang", dtype: torch.dtype = torch.bfloat16
-                     ) -> dict[str, TensorSpec]:
-    """Every tensor the `fmt` directory must hold, with shape and dtype; nothing else is allowed."""
+def expected_tensors(shape: DrafterShape, fmt: str = "sglang", dtype: torch.dtype = torch.bfloat16,
+                     embed: bool = False) -> dict[str, TensorSpec]:
+    """Every tensor the `fmt` directory must hold, with shape and dtype; nothing else is allowed (`embed`: the
+    speculators directory also holds the target's embedding)."""
     h, ht, i = shape.hidden_size, shape.target_hidden_size, shape.intermediate_size
     q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     layer = {
@@ -123,6 +128,10 @@ def expected_tensors(shape: DrafterShape, fmt: str = "sglang", dtype: torch.dtyp
     spec["lm_head.weight"] = TensorSpec((shape.draft_vocab_size, h), dtype)
     spec["d2t"] = TensorSpec((shape.draft_vocab_size,), torch.int64)   # offsets: target id = i + d2t[i]
     spec["t2d"] = TensorSpec((shape.vocab_size,), torch.bool)          # mask over the target vocab
+    if embed:
+        if fmt != "speculators":
+            raise ValueError(f"the target's embedding is exported only into the speculators directory, not {fmt!r}")
+        spec[EMBED] = TensorSpec((shape.vocab_size, h), dtype)          # the target's, [V, H]
     return spec
 
 
@@ -198,13 +207,16 @@ def rope_settings(cfg: Mapping[str, Any]) -> tuple[float, Any]:
 
 
 def sglang_config(drafter_cfg: Mapping[str, Any], *, vocab_size: int, max_position_embeddings: int,
-                  aux_layer_ids: Sequence[int], dtype: str) -> dict:
+                  hf_indices: Sequence[int], dtype: str) -> dict:
     """The SGLang `config.json`: the trained drafter's own config with the serving-critical fields set from
-    the target and the capture (not from whatever the init drafter shipped with)."""
+    the target and the capture (not from whatever the init drafter shipped with). `hf_indices`: the h the
+    drafter was trained on, written as ids every SGLang version reads as h where such ids exist."""
+    drafter_keys.check_config(drafter_cfg, "sglang").raise_if_refused("checkpoint config")
     theta, scaling = rope_settings(drafter_cfg)
     shape = DrafterShape.from_hf_dict({**drafter_cfg, "vocab_size": vocab_size})
-    cfg = {k: v for k, v in drafter_cfg.items()
-           if k not in ("rope_parameters", "dtype", "transformers_version", "_name_or_path")}
+    # only keys an engine reads with this drafter's meaning (drafter_keys); unknown / harmless ones are dropped
+    served = set(drafter_keys.served_keys("top")) - {"rope_parameters", "dtype"}
+    cfg = {k: v for k, v in drafter_cfg.items() if k in served}
     cfg.update(
         architectures=[SGLANG_ARCH],
         model_type="llama",
@@ -226,15 +238,14 @@ def sglang_config(drafter_cfg: Mapping[str, Any], *, vocab_size: int, max_positi
         attention_bias=False,
         mlp_bias=False,
         torch_dtype=dtype,
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
-                      "use_aux_hidden_state": True},
+        **aux_layers.sglang_config_entries(hf_indices),
     )
     return cfg
 
 
 def speculators_config(sglang_cfg: Mapping[str, Any], *, hf_indices: Sequence[int], verifier_path: str,
                        verifier_architectures: Sequence[str], speculative_tokens: int) -> dict:
-    """The vLLM speculators `config.json` equivalent to an SGLang config (see the module doc on ids)."""
+    """The vLLM speculators `config.json` equivalent to an SGLang config (ids by vLLM's rule for `hf_indices`)."""
     layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
                   "rope_scaling", "bos_token_id", "eos_token_id")
@@ -248,9 +259,9 @@ def speculators_config(sglang_cfg: Mapping[str, Any], *, hf_indices: Sequence[in
         "transformer_layer_config": layer,
         "draft_vocab_size": int(sglang_cfg["draft_vocab_size"]),
         "target_hidden_size": int(sglang_cfg["target_hidden_size"]),
-        # vLLM defaults this to True when absent; our drafter keeps the un-normalised hidden as residual
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in hf_indices],
+        # norm_before_residual / norm_before_fc / fc_norm / norm_output = false: vLLM defaults the first to true
+        **drafter_keys.explicit_switches("speculators"),
+        "eagle_aux_hidden_state_layer_ids": aux_layers.ids_for_rule(hf_indices, "vllm"),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
@@ -263,20 +274,24 @@ def speculators_config(sglang_cfg: Mapping[str, Any], *, hf_indices: Sequence[in
 
 
 def sglang_from_speculators(spec_cfg: Mapping[str, Any]) -> dict:
-    """Inverse of `speculators_config` (for loading a speculators directory back into our drafter)."""
+    """Inverse of `speculators_config` (for loading a speculators directory back into our drafter); a switch
+    that changes the forward (norm_before_residual, fc_norm, ...) is refused by name (drafter_keys)."""
+    drafter_keys.check_config(spec_cfg, "speculators").raise_if_refused("speculators config")
     layer = dict(spec_cfg["transformer_layer_config"])
-    ids = [int(i) - 1 for i in spec_cfg.get("eagle_aux_hidden_state_layer_ids") or []]
     cfg = {k: v for k, v in layer.items() if k != "architectures"}
     cfg.update(architectures=[SGLANG_ARCH], draft_vocab_size=spec_cfg["draft_vocab_size"],
-               target_hidden_size=spec_cfg.get("target_hidden_size") or layer["hidden_size"],
-               eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+               target_hidden_size=spec_cfg.get("target_hidden_size") or layer["hidden_size"])
+    listed = spec_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if listed:  # vLLM's ids -> h -> the SGLang ids meaning the same h
+        ids = aux_layers.sglang_export_ids(aux_layers.hf_indices_from_ids(listed, "vllm"))[0]
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     if spec_cfg.get("torch_dtype"):
         cfg["torch_dtype"] = spec_cfg["torch_dtype"]
     return cfg
 
 
 def sglang_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draft_vocab_size: int,
-                           max_position_embeddings: int, aux_layer_ids: Sequence[int], dtype: str,
+                           max_position_embeddings: int, hf_indices: Sequence[int], dtype: str,
                            rope: tuple[float, Any] | None = None) -> list[str]:
     """Every field SGLang reads that could silently ruin acceptance, against what it must be."""
     p: list[str] = []
@@ -289,13 +304,10 @@ def sglang_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draft_voc
         p.append("config has no eagle_config: SGLang would capture its default layers [2, L//2, L-3] "
                  "instead of the ones the drafter was trained on")
     else:
-        got = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if list(got or []) != [int(i) for i in aux_layer_ids]:
-            p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={got!r}, but the states were captured "
-                     f"with layer ids {list(aux_layer_ids)}")
+        p += _sglang_ids_problems(cfg, eagle.get("eagle_aux_hidden_state_layer_ids"), hf_indices)
         if eagle.get("use_aux_hidden_state") is not True:
             p.append(f"eagle_config.use_aux_hidden_state={eagle.get('use_aux_hidden_state')!r}, expected true")
-    return p
+    return p + drafter_keys.engine_reading_problems(cfg, "sglang")  # every switch, as SGLang/vLLM/SpecForge read it
 
 
 def speculators_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draft_vocab_size: int,
@@ -306,11 +318,11 @@ def speculators_config_problems(cfg: Mapping[str, Any], *, vocab_size: int, draf
     _expect(p, cfg, "architectures", [SPECULATORS_ARCH])
     _expect(p, cfg, "speculators_model_type", "eagle3")
     _expect(p, cfg, "draft_vocab_size", int(draft_vocab_size), why="rows of lm_head / entries of d2t")
-    _expect(p, cfg, "norm_before_residual", False, why="vLLM defaults an absent value to true")
+    p += drafter_keys.engine_reading_problems(cfg, "speculators")  # e.g. vLLM's default norm_before_residual=true
     got = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if list(got or []) != [int(i) for i in hf_indices]:
-        p.append(f"eagle_aux_hidden_state_layer_ids={got!r}, expected the captured HF indices {list(hf_indices)} "
-                 f"(vLLM captures the stream entering layer id)")
+    if not got or aux_layers.hf_indices_from_ids(got, "vllm") != [int(i) for i in hf_indices]:
+        p.append(f"eagle_aux_hidden_state_layer_ids={got!r}: vLLM would capture other states than the trained "
+                 f"h = {list(hf_indices)} (it reads ids as h; expected {aux_layers.ids_for_rule(hf_indices, 'vllm')})")
     spec = cfg.get("speculators_config")
     if not isinstance(spec, Mapping):
         p.append("config has no speculators_config")
@@ -356,6 +368,27 @@ def _layer_field_problems(cfg: Mapping[str, Any], *, vocab_size: int, max_positi
     except KeyError as e:
         p.append(str(e.args[0]))
     return p
+
+
+def _sglang_ids_problems(cfg: Mapping[str, Any], ids, hf_indices: Sequence[int]) -> list[str]:
+    """The listed ids must mean the trained h under current SGLang, and under legacy SGLang too unless the
+    config states the version requirement (no portable form exists for that h)."""
+    h = [int(i) for i in hf_indices]
+    if not ids:
+        return [f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r}: SGLang would capture its default layers "
+                f"instead of the trained h = {h}"]
+    r = aux_layers.readings(ids)
+    if r["sglang"] != h:
+        return [f"eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)} mean h = {r['sglang']} in current SGLang "
+                f"(h = {r['sglang_legacy']} before PR #25454), but the drafter was trained on h = {h}; expected "
+                f"{aux_layers.sglang_export_ids(h)[0]}"]
+    meta = cfg.get(aux_layers.META_KEY)
+    if r["sglang_legacy"] != h and not (isinstance(meta, Mapping)
+                                        and meta.get("sglang_versions") == aux_layers.SGLANG_RULE_CHANGE):
+        return [f"eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)} mean h = {h} only in "
+                f"{aux_layers.SGLANG_RULE_CHANGE} (older SGLang reads h = {r['sglang_legacy']}) and the config does "
+                f"not say so ({aux_layers.META_KEY})"]
+    return []
 
 
 # ---------------------------------------------------------------- helpers

@@ -2,7 +2,7 @@
 
 init=aqmedai_k2 (start from an older relative's drafter, e.g. AQ-MedAI's Kimi-K2 EAGLE-3):
   1. read the old drafter's config and check it against the target BEFORE loading anything big
-     (hidden size, fc width, vocab size, aux layer ids vs the captured ones): a clear error;
+     (hidden size, fc width, vocab size, its aux layer ids read by `aux_id_rule` vs the captured h): a clear error;
   2. load it, move its lm_head rows to the new draft vocab (eagle3.remap: shared tokens keep their
      rows, new tokens follow `new_row_init`), install the new d2t / t2d;
   3. the target's embeddings (frozen), and max_position_embeddings from the target
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from eagle3 import target_io
+from eagle3 import aux_layers, target_io
 from eagle3.drafter_io import check_drafter_dir, load_drafter_dir, raise_on_fatal, torch_dtype
 from eagle3.model import DrafterConfig, Eagle3Drafter, _rope_from_hf, rope_type_of
 from eagle3.remap import remap_lm_head
@@ -36,7 +36,7 @@ INITS = ("aqmedai_k2", "scratch")
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 
 
-def scratch_config(text: dict, draft_vocab_size: int, aux_layer_ids: list[int]) -> tuple[DrafterConfig, list[str]]:
+def scratch_config(text: dict, draft_vocab_size: int, hf_indices: list[int]) -> tuple[DrafterConfig, list[str]]:
     """A drafter config shaped from the target's text config dict; notes say what was adapted."""
     notes = []
     H, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
@@ -54,25 +54,27 @@ def scratch_config(text: dict, draft_vocab_size: int, aux_layer_ids: list[int]) 
         hidden_size=H, intermediate_size=int(text["intermediate_size"]), num_attention_heads=heads,
         num_key_value_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
         vocab_size=int(text["vocab_size"]), draft_vocab_size=int(draft_vocab_size), target_hidden_size=H,
-        aux_layer_ids=list(aux_layer_ids), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        aux_hf_indices=list(hf_indices), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=int(text["max_position_embeddings"]),
         bos_token_id=text.get("bos_token_id"), eos_token_id=text.get("eos_token_id"),
         torch_dtype="bfloat16", initializer_range=float(text.get("initializer_range", 0.02)))
     return cfg, notes
 
 
-def _default_aux_ids(text: dict) -> list[int]:
-    L = int(text["num_hidden_layers"])
-    return [i - 1 for i in (2, L // 2, L - 3)]  # SGLang's default capture, as layer ids
+def _default_hf_indices(text: dict) -> list[int]:
+    return aux_layers.sglang_default_hf_indices(int(text["num_hidden_layers"]))
 
 
 def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Path], target_path: str | Path,
-                           layout: str, new_ids: torch.Tensor, aux_layer_ids: Optional[list[int]] = None,
+                           layout: str, new_ids: torch.Tensor, hf_indices: Optional[list[int]] = None,
                            new_row_init: str = "target_lm_head", *, dtype: str | torch.dtype = "float32",
-                           device: str | torch.device = "cpu") -> tuple[Eagle3Drafter, dict]:
+                           device: str | torch.device = "cpu", aux_id_rule: str = aux_layers.DEFAULT_RULE,
+                           seed: int = 0) -> tuple[Eagle3Drafter, dict]:
     """(drafter ready to train, report). new_ids: int64 [N] target ids of the new draft vocab, sorted
-    (the vocab stage's `d2t + arange(N)`); aux_layer_ids: the layer ids the hidden states were
-    captured at (None: the init drafter's, or SGLang's default for scratch)."""
+    (the vocab stage's `d2t + arange(N)`); hf_indices: the hidden-state indices h the store holds (None:
+    the init drafter's, or SGLang's default for scratch); aux_id_rule: how the init drafter's config
+    ids are read as h (must give the store's h); seed: the random initialisation of a scratch drafter
+    (the training run's seed, so that seeds differ in every random choice)."""
     if init_name not in INITS:
         raise ValueError(f"init={init_name!r}: expected one of {INITS}")
     new_ids = torch.as_tensor(new_ids, dtype=torch.long).cpu()
@@ -83,12 +85,13 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     report: dict = {"init": init_name, "target": str(target_path), "draft_vocab_size": int(new_ids.numel())}
     embed = target_io.load_embed_tokens(target_path, layout)
     if init_name == "scratch":
-        model, rep = _scratch(text, new_ids, aux_layer_ids or _default_aux_ids(text), embed, target_path, layout, dtype)
+        model, rep = _scratch(text, new_ids, hf_indices or _default_hf_indices(text), embed, target_path, layout, dtype,
+                              seed)
     else:
         if not init_drafter_path:
             raise ValueError("init=aqmedai_k2 needs init_drafter_path (the old drafter directory)")
-        model, rep = _from_drafter(Path(init_drafter_path), text, new_ids, aux_layer_ids, embed, target_path, layout,
-                                   new_row_init, dtype)
+        model, rep = _from_drafter(Path(init_drafter_path), text, new_ids, hf_indices, embed, target_path, layout,
+                                   new_row_init, dtype, aux_id_rule)
     report.update(rep)
     model.set_vocab_mapping(d2t, t2d)
     model.embed_tokens.weight.requires_grad_(False)
@@ -96,29 +99,29 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     return model.to(device), report
 
 
-def _scratch(text, new_ids, aux_ids, embed, target_path, layout, dtype):
-    cfg, notes = scratch_config(text, new_ids.numel(), aux_ids)
+def _scratch(text, new_ids, hf_indices, embed, target_path, layout, dtype, seed: int = 0):
+    cfg, notes = scratch_config(text, new_ids.numel(), hf_indices)
     with torch.random.fork_rng(devices=[]):  # deterministic init, caller's RNG state untouched
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = Eagle3Drafter(cfg).to(dtype)
     model.set_embeddings(embed.to(dtype))
     rows = target_io.load_lm_head_rows(target_path, layout, new_ids)
     with torch.no_grad():
         model.lm_head.weight.copy_(rows.to(dtype))
     return model, {"config_notes": notes, "lm_head": "target lm_head rows of the draft vocab",
-                   "aux_layer_ids": list(aux_ids)}
+                   "aux_hf_indices": list(hf_indices)}
 
 
-def _from_drafter(old_dir, text, new_ids, aux_ids, embed, target_path, layout, new_row_init, dtype):
-    old_cfg, mismatches = check_drafter_dir(old_dir, text, aux_ids)
+def _from_drafter(old_dir, text, new_ids, hf_indices, embed, target_path, layout, new_row_init, dtype, id_rule):
+    old_cfg, mismatches = check_drafter_dir(old_dir, text, hf_indices, id_rule=id_rule)
     raise_on_fatal(mismatches, f"init drafter {old_dir} cannot start training on target {target_path}")
-    old = load_drafter_dir(old_dir, embed_tokens=embed, dtype=dtype)
+    old = load_drafter_dir(old_dir, embed_tokens=embed, dtype=dtype, id_rule=id_rule)
     old_ids = old.draft_ids_to_target(torch.arange(old_cfg.draft_vocab_size))
     target_rows = target_io.load_lm_head_rows(target_path, layout, new_ids) if new_row_init == "target_lm_head" else None
     weight, stats = remap_lm_head(old.lm_head.weight.detach(), old_ids, new_ids, new_row_init, target_rows)
     tmax = int(text["max_position_embeddings"])
-    aux_ids = list(aux_ids or old_cfg.aux_layer_ids or _default_aux_ids(text))
-    cfg = old_cfg.replace(draft_vocab_size=int(new_ids.numel()), aux_layer_ids=aux_ids, max_position_embeddings=tmax)
+    hf_indices = list(hf_indices or old_cfg.aux_hf_indices or _default_hf_indices(text))
+    cfg = old_cfg.replace(draft_vocab_size=int(new_ids.numel()), aux_hf_indices=hf_indices, max_position_embeddings=tmax)
     state = {k: v for k, v in old.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     state.update({"lm_head.weight": weight, "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
                   "t2d": torch.zeros(cfg.vocab_size, dtype=torch.bool)})  # real mapping installed by the caller
@@ -126,6 +129,6 @@ def _from_drafter(old_dir, text, new_ids, aux_ids, embed, target_path, layout, n
         model = Eagle3Drafter(cfg)
     model.load_state_dict(state, strict=True, assign=True)  # adopts the old drafter's tensors: no copy
     return model, {"init_drafter": str(old_dir), "compatibility_warnings": [str(m) for m in mismatches],
-                   "lm_head_remap": stats, "aux_layer_ids": list(cfg.aux_layer_ids),
+                   "lm_head_remap": stats, "aux_hf_indices": list(cfg.aux_hf_indices), "aux_id_rule": id_rule,
                    "max_position_embeddings": {"old": old_cfg.max_position_embeddings, "new": cfg.max_position_embeddings},
                    "load": old.load_report}

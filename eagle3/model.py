@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3 import aux_layers, drafter_keys
 from eagle3.ttt import KVCache, TTTCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -56,7 +57,9 @@ class DrafterConfig:
     vocab_size: int
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: Optional[list[int]] = None  # eagle_config.eagle_aux_hidden_state_layer_ids
+    # h of the 3 target states fc reads (HF output_hidden_states indices; eagle3/aux_layers.py). config.json
+    # lists ids instead (eagle_config.eagle_aux_hidden_state_layer_ids), read/written by an engine's rule.
+    aux_hf_indices: Optional[list[int]] = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
@@ -67,7 +70,8 @@ class DrafterConfig:
     pad_token_id: Optional[int] = None
     torch_dtype: str = "bfloat16"
     initializer_range: float = 0.02
-    extra: dict = field(default_factory=dict)  # unknown keys of the source config, written back
+    # keys of the source config no engine is known to read (drafter_keys): reported by the loader, never written
+    unknown_keys: list = field(default_factory=list, compare=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,29 +90,16 @@ class DrafterConfig:
         if problems:
             raise ValueError("invalid drafter config: " + "; ".join(problems))
 
-    # Keys that from_hf_dict consumes (everything else goes to `extra`).
-    _KNOWN = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "rope_theta",
-              "rope_scaling", "max_position_embeddings", "hidden_act", "bos_token_id", "eos_token_id",
-              "pad_token_id", "torch_dtype", "dtype", "initializer_range", "rope_parameters", "eagle_config", "architectures",
-              "model_type", "num_hidden_layers", "tie_word_embeddings", "attention_bias", "mlp_bias")
-
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        """Parse a drafter `config.json` dict; raise ValueError naming what cannot be served."""
+    def from_hf_dict(cls, d: dict, id_rule: str = aux_layers.DEFAULT_RULE) -> "DrafterConfig":
+        """Parse a drafter `config.json` dict; raise ValueError naming what cannot be served. Its aux
+        layer ids become hidden-state indices by `id_rule` (the serving engine's reading, aux_layers.RULES)."""
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
         if missing:
             raise ValueError(f"drafter config lacks {missing}")
-        if int(d.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(f"num_hidden_layers={d['num_hidden_layers']}: only one-layer EAGLE-3 drafters are supported")
-        if d.get("tie_word_embeddings"):
-            raise ValueError("tie_word_embeddings=true: a tied lm_head is not a draft-vocab head; not supported")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ValueError(f"{key}=true is not supported (SGLang's drafter has no biases)")
-        archs = d.get("architectures") or [ARCHITECTURE]
-        if ARCHITECTURE not in archs:
-            raise ValueError(f"architectures={archs}: expected {ARCHITECTURE!r}")
+        # every switch an engine reads must mean this model's forward (layers, biases, norms, ...): drafter_keys
+        keys = drafter_keys.check_config(d, "sglang")
+        keys.raise_if_refused()
         heads = int(d["num_attention_heads"])
         theta, scaling = _rope_from_hf(d)
         eagle = d.get("eagle_config") or {}
@@ -121,19 +112,19 @@ class DrafterConfig:
             # SGLang: no draft_vocab_size means the full target vocab.
             draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
             target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
-            aux_layer_ids=None if aux is None else [int(i) for i in aux],
+            aux_hf_indices=None if aux is None else aux_layers.hf_indices_from_ids(
+                aux_layers.as_int_list(aux, "eagle_aux_hidden_state_layer_ids"), id_rule),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             initializer_range=float(d.get("initializer_range", 0.02)),
-            extra={k: v for k, v in d.items() if k not in cls._KNOWN},
+            unknown_keys=keys.unknown,
         )
 
     def to_hf_dict(self) -> dict:
-        """The SGLang-loadable `config.json` dict."""
-        out = dict(self.extra)
-        out.update({
+        """The SGLang-loadable `config.json` dict (fields only: unknown source keys are never carried)."""
+        out = {
             "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
@@ -145,10 +136,9 @@ class DrafterConfig:
             "pad_token_id": self.pad_token_id, "torch_dtype": self.torch_dtype,
             "initializer_range": self.initializer_range, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False,
-        })
-        if self.aux_layer_ids is not None:
-            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                                   "use_aux_hidden_state": True}
+        }
+        if self.aux_hf_indices is not None:  # ids that mean these h in every SGLang version where one list can
+            out.update(aux_layers.sglang_config_entries(self.aux_hf_indices))
         return out
 
     def replace(self, **changes) -> "DrafterConfig":

@@ -92,8 +92,7 @@ class HiddenStateStore:
 
     hidden_size = property(lambda self: self.manifest["hidden_size"])
     target_hidden_size = property(lambda self: self.manifest["target_hidden_size"])
-    aux_layer_ids = property(lambda self: list(self.manifest["aux_layer_ids"]))
-    hf_indices = property(lambda self: list(self.manifest["hf_indices"]))
+    hf_indices = property(lambda self: list(self.manifest["hf_indices"]))  # h of the aux states (aux_layers.py)
     dtype = property(lambda self: self.manifest["dtype"])
     aux_dtype = property(lambda self: header_value(self.manifest, "aux_dtype"))
     meta = property(lambda self: self.manifest["meta"])

@@ -16,7 +16,7 @@ MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
-HEADER_KEYS = ("hidden_size", "target_hidden_size", "aux_layer_ids", "hf_indices", "dtype", "aux_dtype",
+HEADER_KEYS = ("hidden_size", "target_hidden_size", "hf_indices", "dtype", "aux_dtype",
                "shard_tokens", "meta")
 
 

@@ -157,9 +157,12 @@ class HiddenStateWriter:
     recorded as skipped); anything not in the manifest is deleted and must be re-added."""
 
     def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
-                 aux_layer_ids: list[int], hf_indices: list[int], dtype: str = "bfloat16",
-                 aux_dtype: str | None = None, shard_tokens: int = 8192, meta: dict | None = None,
+                 hf_indices: list[int], dtype: str = "bfloat16", aux_dtype: str | None = None,
+                 shard_tokens: int = 8192, meta: dict | None = None, aux_provenance: dict | None = None,
                  background: bool = False):
+        """hf_indices: the Hugging Face hidden-state indices h of the aux states, in fc's order (the physical
+        truth; eagle3/aux_layers.py). aux_provenance: how they were chosen (engine rule, source, the ids a
+        drafter config listed), recorded in the manifest but not compared on resume."""
         if dtype not in DTYPES:
             raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         aux_dtype = aux_dtype or dtype
@@ -172,11 +175,11 @@ class HiddenStateWriter:
         _lock_dir(self.dir, id(self))  # held until finish() (or process exit, even on SIGKILL)
         self.torch_dtype = DTYPES[dtype]
         self.aux_fp8 = aux_dtype == AUX_FP8
-        self.aux_width = len(aux_layer_ids) * target_hidden_size
-        self.aux_rows = (len(aux_layer_ids), target_hidden_size)  # fp8 scales: one per (token, layer) row
+        self.aux_width = len(hf_indices) * target_hidden_size
+        self.aux_rows = (len(hf_indices), target_hidden_size)  # fp8 scales: one per (token, layer) row
         self.hidden_size = hidden_size
         header = {"hidden_size": hidden_size, "target_hidden_size": target_hidden_size,
-                  "aux_layer_ids": list(aux_layer_ids), "hf_indices": list(hf_indices), "dtype": dtype,
+                  "hf_indices": [int(h) for h in hf_indices], "dtype": dtype,
                   "aux_dtype": aux_dtype, "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
         self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
                          "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
@@ -187,6 +190,8 @@ class HiddenStateWriter:
                 raise StoreMismatchError(f"{self.dir}: an existing store was written with other settings; "
                                          f"refusing to mix ({'; '.join(diff)}). Use a fresh out_dir or delete it.")
             self.manifest = old
+        if aux_provenance is not None:
+            self.manifest["aux_provenance"] = json.loads(json.dumps(aux_provenance))
         self._discard_unlisted_files()
         self._pending: dict[str, None] = {}  # ids of the sequences buffered for the next shard (ordered)
         self._pending_skips: list[dict] = []
@@ -202,7 +207,7 @@ class HiddenStateWriter:
                          "last": (hidden_size, self.torch_dtype),
                          "input_ids": (0, torch.int32), "loss_mask": (0, torch.uint8), "target_argmax": (0, torch.int32)}
         if self.aux_fp8:
-            self._columns["aux_scale"] = (len(aux_layer_ids), torch.float32)
+            self._columns["aux_scale"] = (len(hf_indices), torch.float32)
         self._buffers: list[_ShardBuffer] = []  # allocated at the first add (two: fill one, write the other)
         self._buf: _ShardBuffer | None = None
         self._last_written: _ShardBuffer | None = None

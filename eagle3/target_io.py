@@ -2,11 +2,10 @@
 loading it (plain causal LM or the Kimi-K2.5 multimodal wrapper, text path only), and forward
 hooks that capture the aux hidden states EAGLE-3 needs.
 
-Layer-id convention (DESIGN.md): a drafter's `eagle_aux_hidden_state_layer_ids` lists decoder
-layer ids i; SGLang feeds the drafter the residual stream entering layer i+1 = the OUTPUT of
-layer i = Hugging Face `output_hidden_states[i+1]`. The hooks here sit on the decoder layers'
-outputs (and on the final norm for the post-norm state lm_head consumes), so all 62 states of
-Kimi-K2.5 are never kept alive.
+Aux states are named by h, the Hugging Face `output_hidden_states` index (eagle3/aux_layers.py:
+h = i + 1 is the OUTPUT of decoder layer i = the residual stream SGLang and vLLM capture entering
+loop index h). The hooks here sit on the decoder layers' outputs (layer h - 1 for h) and on the
+final norm (the post-norm state lm_head consumes), so all 62 states of Kimi-K2.5 are never kept alive.
 
 Imports only torch, safetensors and transformers (runs on the GPU machine).
 """
@@ -14,14 +13,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
-
 import torch
 from safetensors import safe_open
 
-from eagle3.errors import StageError
-
 from eagle3 import release_format
+from eagle3.errors import StageError
 
 LAYOUTS = ("kimi_k25", "causal_lm")
 REQUIRED_TEXT_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
@@ -179,37 +175,6 @@ def load_lm_head_rows(target_path: str | Path, layout: str, rows: torch.Tensor |
         return out
 
 
-def resolve_aux_layer_ids(init_drafter_dir: str | Path | None, configured: Iterable[int] | None,
-                          num_layers: int) -> tuple[list[int], list[int], str]:
-    """(ids, hf_indices, source): the init drafter's `eagle_config.eagle_aux_hidden_state_layer_ids`
-    if it has them, else `configured`, else SGLang's default (HF indices [2, L//2, L-3]).
-    hf_indices[k] = ids[k] + 1. Ids outside [0, num_layers) raise (call this before loading)."""
-    L = int(num_layers)
-    from_init = None
-    if init_drafter_dir is not None:
-        cfg_path = Path(init_drafter_dir) / "config.json"
-        if not cfg_path.is_file():
-            raise TargetError(f"init drafter {init_drafter_dir}: no config.json")
-        eagle = json.loads(cfg_path.read_text()).get("eagle_config") or {}
-        from_init = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if from_init is not None:
-        ids, source = [int(i) for i in from_init], f"init_drafter:{init_drafter_dir}"
-        if configured is not None and [int(i) for i in configured] != ids:
-            raise TargetError(f"aux_layer_ids={list(configured)} conflicts with the init drafter's "
-                              f"eagle_aux_hidden_state_layer_ids={ids} ({cfg_path}); its fc was trained on "
-                              f"those layers. Drop aux_layer_ids or use another init.")
-    elif configured is not None:
-        ids, source = [int(i) for i in configured], "config"
-    else:
-        ids, source = [h - 1 for h in (2, L // 2, L - 3)], "sglang_default"
-    if not ids:
-        raise TargetError("aux layer ids: empty list")
-    bad = [i for i in ids if not 0 <= i < L]
-    if bad:
-        raise TargetError(f"aux layer ids {ids} (from {source}): {bad} outside the target's decoder layers [0, {L})")
-    return ids, [i + 1 for i in ids], source
-
-
 def _get_path(model: torch.nn.Module, path: str):
     obj = model
     for part in path.split("."):
@@ -313,21 +278,22 @@ def _first_tensor(out):
 
 
 class AuxHiddenCapture:
-    """Forward hooks that keep, per forward call, the outputs of the decoder layers `aux_layer_ids`
-    (HF output_hidden_states[i+1]) and the final norm's output (the post-norm state lm_head reads).
+    """Forward hooks that keep, per forward call, HF output_hidden_states[h] for each h of `hf_indices`
+    (the output of decoder layer h - 1) and the final norm's output (the post-norm state lm_head reads).
 
-        with AuxHiddenCapture(model, [2, 30, 58]) as cap:
+        with AuxHiddenCapture(model, [2, 30, 58]) as cap:   # Kimi's h: outputs of layers 1, 29, 57
             text_model(model)(input_ids=..., attention_mask=...)
-            cap.aux   # list of [B, T, H], in the order of aux_layer_ids (each on its layer's device)
+            cap.aux   # list of [B, T, H], in the order of hf_indices (each on its layer's device)
             cap.last  # [B, T, H]
     """
 
-    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int]):
+    def __init__(self, model: torch.nn.Module, hf_indices: list[int]):
         layers = decoder_layers(model)
-        bad = [i for i in aux_layer_ids if not 0 <= i < len(layers)]
+        bad = [h for h in hf_indices if not 1 <= h <= len(layers)]
         if bad:
-            raise TargetError(f"aux layer ids {bad} outside the model's {len(layers)} decoder layers")
-        self.model, self.ids = model, list(aux_layer_ids)
+            raise TargetError(f"hidden-state indices {bad} are not decoder-layer outputs of this model "
+                              f"(h in 1..{len(layers)}; h = 0 is the embeddings)")
+        self.model, self.ids = model, [h - 1 for h in hf_indices]  # decoder layer whose output is h
         self._layers, self._norm = layers, final_norm(model)
         self._handles: list = []
         self._by_layer: dict[int, torch.Tensor] = {}
@@ -356,7 +322,7 @@ class AuxHiddenCapture:
     def aux(self) -> list[torch.Tensor]:
         missing = [i for i in self.ids if i not in self._by_layer]
         if missing:
-            raise TargetError(f"no captured output for layers {missing}: run a forward pass inside the context")
+            raise TargetError(f"no captured output for decoder layers {missing}: run a forward pass inside the context")
         return [self._by_layer[i] for i in self.ids]
 
     def aux_concat(self, device: torch.device | str | None = None) -> torch.Tensor:

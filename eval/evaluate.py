@@ -46,13 +46,13 @@ class EvalInputError(StageError, ValueError):
 def drafter_store_problems(model, store) -> list[str]:
     """Why this drafter cannot be scored on this store; [] if it can."""
     cfg, out = model.config, []
-    aux_width = len(store.aux_layer_ids) * int(store.manifest.get("target_hidden_size", store.hidden_size))
+    aux_width = len(store.hf_indices) * int(store.manifest.get("target_hidden_size", store.hidden_size))
     if model.fc.in_features != aux_width:
         out.append(f"drafter fc reads {model.fc.in_features} features, the store's aux states are {aux_width} wide "
-                   f"({len(store.aux_layer_ids)} layers x target hidden)")
-    if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != list(store.aux_layer_ids):
-        out.append(f"drafter eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)} != the store's "
-                   f"aux_layer_ids {list(store.aux_layer_ids)}: SGLang would feed it other layers than it sees here")
+                   f"({len(store.hf_indices)} layers x target hidden)")
+    if cfg.aux_hf_indices is not None and list(cfg.aux_hf_indices) != list(store.hf_indices):
+        out.append(f"drafter reads hidden states h = {list(cfg.aux_hf_indices)}, the store holds h = "
+                   f"{list(store.hf_indices)}: SGLang would feed it other states than it sees here")
     if len(store):
         s = store[0]  # token ids beyond the drafter's vocab: the store comes from another tokenizer/target
         top = max(int(s["input_ids"].max()), int(s["target_argmax"].max())) if s["input_ids"].numel() else -1

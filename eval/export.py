@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from eagle3 import export_spec as spec
+from eagle3 import aux_layers, export_spec as spec
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
@@ -49,12 +49,11 @@ class ExportError(StageError, RuntimeError):
 @dataclass
 class Sources:
     """Everything the export reads, resolved once: the checkpoint's config, the target's facts,
-    the capture's layer ids."""
+    the capture's hidden-state indices."""
     drafter_cfg: dict             # the checkpoint's config.json (SGLang layout)
     target_text_cfg: dict
     target_architectures: list[str]
-    aux_layer_ids: list[int]      # SGLang eagle_config ids the states were captured with
-    hf_indices: list[int]         # = ids + 1 (HF output_hidden_states indices; vLLM's ids)
+    hf_indices: list[int]         # h the drafter was trained on (HF output_hidden_states; eagle3/aux_layers.py)
     store_dir: Path               # the capture split used for the round trip
     context_length: int           # max_position_embeddings the export writes
 
@@ -78,7 +77,8 @@ def gather_sources(config) -> Sources:
     ckpt = Path(config.checkpoint_dir)
     try:
         # strict names and shapes of the checkpoint, headers only (the weights are read later)
-        _, _, _, problems = inspect_drafter_dir(ckpt)
+        # (its own config.json was written by this project: ids in a form current SGLang reads as the trained h)
+        ckpt_cfg, _, _, problems = inspect_drafter_dir(ckpt)
         problems = [f"checkpoint: {p}" for p in problems]
         drafter_cfg = json.loads((ckpt / "config.json").read_text())
     except (DrafterLoadError, OSError, json.JSONDecodeError) as e:
@@ -102,13 +102,16 @@ def gather_sources(config) -> Sources:
         store = HiddenStateStore(store_dir, verify="size")
     except StoreError as e:
         raise ExportError(f"capture {store_dir} cannot be read", [str(e)]) from e
-    ids, hf = store.aux_layer_ids, store.hf_indices
-    if hf != [i + 1 for i in ids]:
-        problems.append(f"{store_dir}: manifest hf_indices {hf} are not aux_layer_ids {ids} + 1")
-    trained_ids = (drafter_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if trained_ids is not None and [int(i) for i in trained_ids] != ids:
-        problems.append(f"checkpoint config says eagle_aux_hidden_state_layer_ids={trained_ids} but the capture "
-                        f"{store_dir} holds layers {ids}: this checkpoint was not trained on this capture")
+    hf = store.hf_indices
+    trained = ckpt_cfg.aux_hf_indices
+    if trained is not None and list(trained) != hf:
+        problems.append(f"checkpoint config's eagle_aux_hidden_state_layer_ids mean h = {trained} (current SGLang's "
+                        f"reading) but the capture {store_dir} holds h = {hf}: this checkpoint was not trained on "
+                        f"this capture")
+    try:
+        aux_layers.validate_hf_indices(hf, int(text["num_hidden_layers"]), f"capture {store_dir} hidden states")
+    except aux_layers.AuxLayerError as e:
+        problems.append(str(e))
     problems += _store_width_problems(drafter_cfg, text, store, store_dir)
     problems += _train_manifest_problems(ckpt, cap)
     problems += _checksum_problems(ckpt)
@@ -118,7 +121,7 @@ def gather_sources(config) -> Sources:
                         f"{text['max_position_embeddings']}: SGLang would refuse or truncate long requests")
     if problems:
         raise ExportError(f"cannot export {ckpt}", problems)
-    return Sources(drafter_cfg, text, archs, ids, hf, store_dir, context)
+    return Sources(drafter_cfg, text, archs, hf, store_dir, context)
 
 
 def _store_width_problems(drafter_cfg: dict, text: dict, store, store_dir: Path) -> list[str]:
@@ -191,14 +194,14 @@ def compatibility_problems(sglang_cfg: dict, src: Sources) -> tuple[list[str], l
     from eagle3.model import DrafterConfig
 
     found = compatibility_mismatches(DrafterConfig.from_hf_dict(sglang_cfg), src.target_text_cfg,
-                                     aux_layer_ids_captured=src.aux_layer_ids)
+                                     hf_indices_captured=src.hf_indices)
     fatal = [f"compatibility: {m}" for m in found if m.fatal]
     return fatal, [str(m) for m in found if not m.fatal]
 
 
 def build_configs(src: Sources, config, speculative_tokens: int) -> dict[str, dict]:
     sg = spec.sglang_config(src.drafter_cfg, vocab_size=int(src.target_text_cfg["vocab_size"]),
-                            max_position_embeddings=src.context_length, aux_layer_ids=src.aux_layer_ids,
+                            max_position_embeddings=src.context_length, hf_indices=src.hf_indices,
                             dtype=config.dtype)
     sp = spec.speculators_config(sg, hf_indices=src.hf_indices, verifier_path=config.target.path,
                                  verifier_architectures=src.target_architectures,
@@ -235,7 +238,13 @@ def _reusable(config, out_dir: Path, fingerprints: dict, validate_kw: dict) -> b
 
     if old.get("config") != json.loads(json.dumps(as_plain_dict(config))) or old.get("fingerprints") != fingerprints:
         return False
-    return not any(validate_format_dir(format_dir(out_dir, f), f, **validate_kw) for f in formats_of(config.format))
+    return not any(validate_format_dir(format_dir(out_dir, f), f, **validate_kw,
+                                       embed_tokens=_ships_embed(config, f)) for f in formats_of(config.format))
+
+
+def _ships_embed(config, fmt: str) -> bool:
+    """The speculators directory holds the target's embedding only on request (export.speculators_embed)."""
+    return bool(fmt == "speculators" and config.speculators_embed)
 
 
 def run_export(config) -> Path:
@@ -248,7 +257,7 @@ def run_export(config) -> Path:
     src = gather_sources(config)
     choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
     validate_kw = dict(vocab_size=int(src.target_text_cfg["vocab_size"]), max_position_embeddings=src.context_length,
-                       aux_layer_ids=src.aux_layer_ids, hf_indices=src.hf_indices, dtype=config.dtype,
+                       hf_indices=src.hf_indices, dtype=config.dtype,
                        rope=spec.rope_settings(src.drafter_cfg))
     fingerprints = _inputs_fingerprint(config)
     if _reusable(config, out_dir, fingerprints, validate_kw):
@@ -271,21 +280,28 @@ def run_export(config) -> Path:
     try:
         facts = _write_and_check(tmp, config, configs, reference, embed, src, validate_kw)
         sg_cmd, vllm_cmd = _serve_commands(config, out_dir, choice)
-        facts.update({"checkpoint": str(ckpt), "aux layer ids (SGLang eagle_config)": src.aux_layer_ids,
-                      "HF indices (vLLM eagle_aux_hidden_state_layer_ids)": src.hf_indices,
+        sg_ids = configs["sglang"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        sg_versions = configs["sglang"][aux_layers.META_KEY]["sglang_versions"]
+        facts.update({"checkpoint": str(ckpt),
+                      "trained hidden states h (HF output_hidden_states indices)": src.hf_indices,
+                      "SGLang eagle_aux_hidden_state_layer_ids": f"{sg_ids} (mean h = {src.hf_indices} in "
+                                                                 f"{sg_versions})",
+                      "vLLM eagle_aux_hidden_state_layer_ids": configs["speculators"]["eagle_aux_hidden_state_layer_ids"],
                       "max_position_embeddings": f"{src.context_length} (the checkpoint had "
                                                  f"{src.drafter_cfg.get('max_position_embeddings')})",
                       "weights dtype": config.dtype,
                       "validated from disk": "every tensor name, shape and dtype; no stray names; d2t/t2d; config fields",
                       "compatibility warnings": "; ".join(warnings) or "none"})
         serve_md = serve_markdown(name=config.name, target=config.target, choice=choice, sglang_cmd=sg_cmd,
-                                  vllm_cmd=vllm_cmd, facts=facts)
+                                  vllm_cmd=vllm_cmd, facts=facts, speculators_embed=config.speculators_embed)
         atomic_write_bytes(tmp / "SERVE.md", serve_md.encode())
         inputs = {role: Path(p) for role, p in (("capture", config.capture_dir), ("eval", config.eval_dir))
                   if (Path(p) / "manifest.json").is_file()}
         write_manifest(tmp, STAGE, config, inputs=inputs, fingerprints=fingerprints, formats=formats_of(config.format),
                        serve_choice=choice.as_dict(), facts=facts, compatibility_warnings=warnings,
-                       sglang_command=sg_cmd, vllm_command=vllm_cmd)
+                       sglang_command=sg_cmd, vllm_command=vllm_cmd, hf_indices=src.hf_indices,
+                       aux_ids={"sglang": configs["sglang"][aux_layers.META_KEY],
+                                "vllm": configs["speculators"]["eagle_aux_hidden_state_layer_ids"]})
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -306,11 +322,14 @@ def _write_and_check(tmp: Path, config, configs: dict, reference, embed: torch.T
     for fmt in formats_of(config.format):
         d = format_dir(tmp, fmt)
         try:
-            write_format_dir(d, configs[fmt], export_tensors(reference.export_state_dict(), fmt, weight_dtype), fmt)
+            tensors = export_tensors(reference.export_state_dict(), fmt, weight_dtype)
+            if _ships_embed(config, fmt):  # the target's, for speculators' Python API (SERVE.md says when)
+                tensors[spec.EMBED] = embed.to(weight_dtype).contiguous().clone()
+            write_format_dir(d, configs[fmt], tensors, fmt)
         except Exception as e:  # OSError, or safetensors' own error wrapping one (disk full, quota, EFBIG)
             raise ExportError(f"writing the {fmt} directory failed", [
                 f"{d}: {e}; free space under {tmp.parent} and rerun (the previous export, if any, is untouched)"]) from e
-        problems = validate_format_dir(d, fmt, **validate_kw)
+        problems = validate_format_dir(d, fmt, **validate_kw, embed_tokens=embed if _ships_embed(config, fmt) else False)
         if problems:
             raise ExportError(f"the written {fmt} directory failed validation", problems)
         problems, stats = roundtrip.check(load_exported(d, fmt, embed))

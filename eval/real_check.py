@@ -21,11 +21,11 @@ from eval.real_tree import tree_speculative_decode
 
 
 @torch.no_grad()
-def capture_sequence(target, ids: torch.Tensor, aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def capture_sequence(target, ids: torch.Tensor, hf_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over ids Long [T] -> (aux [T, 3*Ht], target_argmax Long [T]), as capture stores them."""
     decoder, head = text_model(target), lm_head(target)
     dev = decoder.embed_tokens.weight.device
-    with AuxHiddenCapture(target, aux_layer_ids) as cap:
+    with AuxHiddenCapture(target, hf_indices) as cap:
         out = decoder(input_ids=ids.to(dev)[None], use_cache=False)
         aux = cap.aux_concat(dev)[0]
     return aux, head(out.last_hidden_state[0]).argmax(-1)
@@ -35,7 +35,7 @@ def simulate_on_generation(target, drafter, prompt: torch.Tensor, generated: Seq
                            ) -> AcceptStats:
     """The replay over prompt + generated, with the loss mask on the generated tokens."""
     ids = torch.cat([prompt.long().reshape(-1), torch.tensor(list(generated), dtype=torch.long)])
-    aux, argmax = capture_sequence(target, ids, drafter.config.aux_layer_ids)
+    aux, argmax = capture_sequence(target, ids, drafter.config.aux_hf_indices)
     mask = torch.zeros(ids.numel(), dtype=torch.bool)
     mask[prompt.numel():] = True
     seq = SequenceDrafter(drafter, aux.cpu(), ids, knobs.topk)

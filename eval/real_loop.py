@@ -83,11 +83,11 @@ def _sync(device: torch.device) -> None:
 class TargetRunner:
     """The target's text path with a DynamicCache and aux-state hooks."""
 
-    def __init__(self, target, aux_layer_ids: list[int]):
+    def __init__(self, target, hf_indices: list[int]):
         from transformers import DynamicCache
 
         self.decoder, self.head = text_model(target), lm_head(target)
-        self.target, self.aux_ids = target, list(aux_layer_ids)
+        self.target, self.hf_indices = target, list(hf_indices)
         self.device = self.decoder.embed_tokens.weight.device
         self.cache = DynamicCache(config=getattr(target.config, "text_config", None) or target.config)
 
@@ -96,7 +96,7 @@ class TargetRunner:
         """ids Long [n] at the next n positions -> (argmax Long [n], aux [n, 3*Ht] or None)."""
         ids = ids.to(self.device)[None]
         if capture:
-            with AuxHiddenCapture(self.target, self.aux_ids) as cap:
+            with AuxHiddenCapture(self.target, self.hf_indices) as cap:
                 out = self.decoder(input_ids=ids, cache=self.cache, use_cache=True)
                 aux = cap.aux_concat(self.device)[0]
         else:
@@ -138,11 +138,11 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
     if not 2 <= num_draft_tokens <= num_steps + 1:
         raise ValueError(f"chain decoding needs 2 <= num_draft_tokens <= num_steps + 1, got "
                          f"{num_steps}/1/{num_draft_tokens}")
-    aux_ids = drafter.config.aux_layer_ids
-    if aux_ids is None:
+    hf_indices = drafter.config.aux_hf_indices
+    if hf_indices is None:
         raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
     eos = _eos_set(eos_token_id)
-    run = TargetRunner(target, aux_ids)
+    run = TargetRunner(target, hf_indices)
     dev = drafter.fc.weight.device
     prompt = prompt.long().reshape(-1)
     L, n = prompt.numel(), num_draft_tokens - 1

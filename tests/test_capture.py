@@ -10,7 +10,7 @@ import torch
 import data.capture as capture_mod
 from data.capture import CaptureError, Dist, make_batches, plan_split, run_capture
 from eagle3 import target_io
-from eagle3.conf import compose, to_schema
+from eagle3.conf import ConfigError, compose, to_schema
 from eagle3.schema.capture import CaptureConfig
 from eagle3.store import HiddenStateStore
 
@@ -64,14 +64,15 @@ def load_split(prepared, split):
 
 
 @pytest.mark.parametrize("which", ["k25", "k2"])
-def test_stored_states_are_hf_hidden_states_i_plus_1(tmp_path, targets, prepared, which):
-    cfg = capture_config(tmp_path, targets, prepared, which, overrides=["aux_layer_ids=[0,3,6]", "limit=6"])
+def test_stored_states_are_hf_hidden_states_h(tmp_path, targets, prepared, which):
+    cfg = capture_config(tmp_path, targets, prepared, which, overrides=["aux_hf_indices=[4,1,7]", "limit=6"])
     out = run_capture(cfg, Dist())
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["aux_layer_ids"] == [0, 3, 6] and manifest["hf_indices"] == [1, 4, 7]
-    assert manifest["aux_layer_source"] == "config"
+    assert manifest["hf_indices"] == [4, 1, 7] and "aux_layer_ids" not in manifest
+    assert manifest["aux_layers"]["source"] == "config" and manifest["aux_layers"]["rule"] is None
     store = HiddenStateStore(out / "train", verify="sha256")
-    assert len(store) == 6 and store.aux_layer_ids == [0, 3, 6] and store.hidden_size == 64
+    assert len(store) == 6 and store.hf_indices == [4, 1, 7] and store.hidden_size == 64
+    assert store.manifest["aux_provenance"]["source"] == "config"
     ds = load_split(prepared, "train")
     by_id = {ds[i]["id"]: ds[i] for i in range(6)}
     model, _ = target_io.load_target(targets[which], LAYOUT[which], dtype="float32")
@@ -85,8 +86,8 @@ def test_stored_states_are_hf_hidden_states_i_plus_1(tmp_path, targets, prepared
         with torch.no_grad():  # the reference: HF's own hidden states, one unpadded sequence
             ref = model(input_ids=ids[None], output_hidden_states=True)
         hs = ref.hidden_states
-        for j, i in enumerate([0, 3, 6]):
-            torch.testing.assert_close(rec["aux"][:, j * H:(j + 1) * H], hs[i + 1][0], rtol=1e-5, atol=1e-5)
+        for j, h in enumerate([4, 1, 7]):  # any order; h = 1 is the output of layer 0
+            torch.testing.assert_close(rec["aux"][:, j * H:(j + 1) * H], hs[h][0], rtol=1e-5, atol=1e-5)
         # `last` is what lm_head consumes: it reproduces the model's logits
         logits = target_io.lm_head(model)(rec["last"])
         torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
@@ -98,25 +99,49 @@ def test_bf16_default_and_sglang_default_ids(tmp_path, targets, prepared):
                                                                  "splits=[validation]"])
     out = run_capture(cfg, Dist())
     manifest = json.loads((out / "manifest.json").read_text())
-    # 8 layers: SGLang's default HF indices [2, L//2, L-3] = [2, 4, 5] = ids [1, 3, 4]
-    assert manifest["hf_indices"] == [2, 4, 5] and manifest["aux_layer_ids"] == [1, 3, 4]
-    assert manifest["aux_layer_source"] == "sglang_default"
+    # 8 layers: SGLang's default HF indices [2, L//2, L-3] = [2, 4, 5]
+    assert manifest["hf_indices"] == [2, 4, 5]
+    assert manifest["aux_layers"]["source"] == "sglang_default"
     assert manifest["bytes_per_token"] == 4 * 64 * 2 + 9
     store = HiddenStateStore(out / "validation")
     assert store.dtype == "bfloat16" and store[0]["aux"].dtype == torch.bfloat16
     assert store[0]["aux"].shape[1] == 3 * 64
 
 
-def test_init_drafter_ids_win(tmp_path, targets, prepared):
+@pytest.mark.parametrize("listed, rule, want", [
+    ([2, 4, 5], "sglang", [2, 4, 5]),          # first id not 1: current SGLang reads ids as h
+    ([2, 4, 5], "sglang_legacy", [3, 5, 6]),   # SGLang before PR #25454: id + 1
+    ([2, 4, 5], "vllm", [2, 4, 5]),
+    ([1, 3, 4], "sglang", [2, 4, 5]),          # first id 1: id + 1 in every SGLang version
+    ([1, 3, 4], "sglang_legacy", [2, 4, 5]),
+])
+def test_init_drafter_ids_read_by_the_rule(tmp_path, targets, prepared, listed, rule, want, capsys):
     drafter = tmp_path / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+    (drafter / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": listed}}))
     cfg = capture_config(tmp_path, targets, prepared, overrides=["+init=aqmedai_k2", f"init.drafter_path={drafter}",
-                                                                 "limit=2", "splits=[validation]"])
+                                                                 f"init.aux_id_rule={rule}", "limit=2",
+                                                                 "splits=[validation]"])
     out = run_capture(cfg, Dist())
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["hf_indices"] == [3, 5, 6]
-    assert manifest["aux_layer_source"].startswith("init_drafter:")
+    assert manifest["hf_indices"] == want == HiddenStateStore(out / "validation").hf_indices
+    prov = manifest["aux_layers"]
+    assert prov["source"].startswith("init_drafter:") and prov["rule"] == rule and prov["listed_ids"] == listed
+    printed = capsys.readouterr().out
+    assert f"h = {want}" in printed
+    # the rules disagree only when the first id is not 1: then every reading is printed
+    assert ("read differently" in printed) == (listed[0] != 1)
+
+
+def test_configured_h_conflicting_with_the_init_drafter_is_refused(tmp_path, targets, prepared, monkeypatch):
+    monkeypatch.setattr(target_io, "load_target", _no_load)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["+init=aqmedai_k2", f"init.drafter_path={drafter}",
+                                                                 "aux_hf_indices=[3,4,5]"])
+    with pytest.raises(CaptureError, match=r"conflicts with the init drafter.*h = \[2, 4, 5\]"):
+        run_capture(cfg, Dist())
 
 
 def test_padding_and_batching_do_not_change_values(tmp_path, targets, prepared):
@@ -159,28 +184,44 @@ def test_rerun_reuses_and_other_settings_refuse_to_mix(tmp_path, targets, prepar
     monkeypatch.setattr(target_io, "load_target", lambda *a, **k: pytest.fail("reused run must not load"))
     run_capture(cfg, Dist())
     monkeypatch.undo()
-    other = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_layer_ids=[0,1,2]"])
-    with pytest.raises(CaptureError, match="refusing to mix.*aux_layer_ids"):
+    other = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_hf_indices=[2,3,4]"])
+    with pytest.raises(CaptureError, match="refusing to mix.*hf_indices"):
         run_capture(other, Dist())
     other_target = capture_config(tmp_path, targets, prepared, which="k2", overrides=["limit=4"])
     with pytest.raises(CaptureError, match="refusing to mix.*meta"):
         run_capture(other_target, Dist())
-    forced = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_layer_ids=[0,1,2]",
+    forced = capture_config(tmp_path, targets, prepared, overrides=["limit=4", "aux_hf_indices=[2,3,4]",
                                                                     "overwrite=true"])
     run_capture(forced, Dist())
-    assert HiddenStateStore(tmp_path / "capture" / "train").aux_layer_ids == [0, 1, 2]
+    assert HiddenStateStore(tmp_path / "capture" / "train").hf_indices == [2, 3, 4]
 
 
 def _no_load(*a, **k):
     raise AssertionError("the model must not be loaded for bad input")
 
 
-def test_out_of_range_ids_error_before_loading(tmp_path, targets, prepared, monkeypatch):
+def test_out_of_range_indices_error_before_loading(tmp_path, targets, prepared, monkeypatch):
     monkeypatch.setattr(target_io, "load_target", _no_load)
-    cfg = capture_config(tmp_path, targets, prepared, overrides=["aux_layer_ids=[2,30,58]"])
-    with pytest.raises(CaptureError, match=r"\[30, 58\] outside the target's decoder layers \[0, 8\)"):
+    cfg = capture_config(tmp_path, targets, prepared, overrides=["aux_hf_indices=[2,30,58]"])
+    with pytest.raises(CaptureError, match=r"\[30, 58\] outside 1\.\.7"):
         run_capture(cfg, Dist())
     assert not (tmp_path / "capture").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("aux_hf_indices=[2,4]", "2 given, an EAGLE-3 drafter reads exactly 3"),
+    ("aux_hf_indices=[1,2,4,5]", "4 given"),
+    ("aux_hf_indices=[2,2,4]", r"\[2\] repeated"),
+    ("aux_hf_indices=2", "expected a list of 3 integers"),
+    ("aux_hf_indices=[7.5,2,4]", "7.5 is not an integer"),
+    ("aux_hf_indices=[0,2,4]", r"\[0\] outside 1\.\.L-1"),
+    ("aux_hf_indices=[1,2,4]", r"h\[0\] = 1 .* cannot be served by current SGLang"),
+    ("aux_layer_ids=[2,30,58]", "Could not override 'aux_layer_ids'"),  # ids are engine-dependent: gone
+])
+def test_unusable_index_lists_are_refused_in_one_line(tmp_path, targets, prepared, override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        capture_config(tmp_path, targets, prepared, overrides=[override])
+    assert "\n" not in str(e.value)
 
 
 def test_missing_target_and_missing_dataset_are_clear(tmp_path, targets, prepared, monkeypatch):
@@ -357,3 +398,64 @@ def test_changing_the_number_of_processes_refuses_to_mix(tmp_path, targets, prep
     run_capture(two, Dist(rank=0, world=2))
     with pytest.raises(CaptureError, match="refusing to mix.*world_size"):
         run_capture(two, Dist())
+
+
+@pytest.fixture(scope="module")
+def target_61(tmp_path_factory, tiny_tokenizer):
+    """A tiny Kimi-K2.5-layout target with Kimi's 61 decoder layers (hidden 16), same tokenizer."""
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    from data.mini_world.checkpoints import deepseek_v3_config, save_kimi_k25
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
+    cfg = deepseek_v3_config(vocab_size=len(tok), hidden_size=16, num_hidden_layers=61, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model = DeepseekV3ForCausalLM(cfg).eval()
+    return save_kimi_k25(model, tiny_tokenizer, tmp_path_factory.mktemp("t61") / "k25-61")
+
+
+@pytest.mark.parametrize("listed", [[2, 30, 58], [1, 29, 57]])
+def test_kimi_ids_capture_h_2_30_58_and_export_as_1_29_57(tmp_path, target_61, prepared, listed):
+    """Issue 23's case on a 61-layer target: an init drafter listing [2, 30, 58] (lightseekorg's form) or
+    [1, 29, 57] yields a store with Kimi's h = [2, 30, 58] under the default rule; a drafter trained on it
+    exports ids [1, 29, 57], which every engine rule reads back as the trained h."""
+    from eagle3 import aux_layers
+    from eagle3.drafter_io import save_drafter_dir
+    from eagle3.init_drafter import build_training_drafter
+    from eval.export import run_export
+
+    from tests.faults.fault_helpers import export_config
+
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": listed}}))
+    cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={target_61}", f"target.tokenizer={target_61}",
+                              "target.layout=kimi_k25", f"in_dir={prepared}", f"out_dir={tmp_path / 'capture'}",
+                              "dtype=float32", "progress=false", "limit=3", "+init=aqmedai_k2",
+                              f"init.drafter_path={init}"])
+    out = run_capture(to_schema(cfg, CaptureConfig), Dist())
+    store = HiddenStateStore(out / "validation")
+    assert store.hf_indices == [2, 30, 58]
+    # the stored states are HF output_hidden_states[2], [30], [58] (outputs of decoder layers 1, 29, 57)
+    model, _ = target_io.load_target(target_61, "kimi_k25", dtype="float32")
+    rec = store[0]
+    with torch.no_grad():
+        hs = model(input_ids=rec["input_ids"][None], output_hidden_states=True).hidden_states
+    for j, h in enumerate([2, 30, 58]):
+        torch.testing.assert_close(rec["aux"][:, j * 16:(j + 1) * 16], hs[h][0], rtol=1e-5, atol=1e-5)
+
+    new_ids = torch.arange(0, 512, 8)
+    drafter, _ = build_training_drafter("scratch", None, target_61, "kimi_k25", new_ids, store.hf_indices)
+    ckpt = save_drafter_dir(drafter, tmp_path / "ckpt" / "final", dtype=torch.float32)
+    world = {"target": target_61, "capture": out}
+    exported = run_export(export_config(world, ckpt, tmp_path / "export", "format=both", "target=k25_mini",
+                                        f"target.path={target_61}", "use_eval_report=false"))
+    sg = json.loads((exported / "config.json").read_text())
+    ids = sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [1, 29, 57]
+    assert all(aux_layers.hf_indices_from_ids(ids, r) == [2, 30, 58] for r in ("sglang", "sglang_legacy"))
+    sp = json.loads((exported / "speculators" / "config.json").read_text())
+    assert aux_layers.hf_indices_from_ids(sp["eagle_aux_hidden_state_layer_ids"], "vllm") == [2, 30, 58]
+    assert "[1, 29, 57] (mean h = [2, 30, 58] in every version)" in (exported / "SERVE.md").read_text()

@@ -32,7 +32,7 @@ def fake_target(path, layout="kimi_k25"):
 
 def drafter_dir(path, **kw):
     base = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                vocab_size=80, draft_vocab_size=20, target_hidden_size=16, aux_layer_ids=[1, 2, 4],
+                vocab_size=80, draft_vocab_size=20, target_hidden_size=16, aux_hf_indices=[2, 3, 5],
                 max_position_embeddings=512, torch_dtype="float32")
     base.update(kw)
     return save_drafter_dir(Eagle3Drafter(DrafterConfig(**base)), path)
@@ -48,16 +48,18 @@ def test_matching_pair_passes(tmp_path):
     fake_target(tmp_path / "target")
     d = drafter_dir(tmp_path / "good")
     cap = tmp_path / "stages" / "k25_mini" / "capture"
-    write_manifest(cap, "capture", {}, aux_layer_ids=[1, 2, 4])
+    write_manifest(cap, "capture", {}, hf_indices=[2, 3, 5])
     result = run_check(config(tmp_path, d))
     assert result.ok() and result.mismatches == []
-    assert any("aux_layer_ids [1, 2, 4]" in i for i in result.info)
+    assert any("capture " in i and "hidden states h = [2, 3, 5]" in i for i in result.info)
+    # the drafter was saved with ids [1, 2, 4]: every SGLang version reads h = [2, 3, 5]
+    assert any("config lists ids [1, 2, 4]; capture takes h = [2, 3, 5]" in i for i in result.info)
     assert result.lines()[-1].startswith("OK")
 
 
 def test_broken_drafter_names_each_mismatch(tmp_path):
     fake_target(tmp_path / "target")
-    d = drafter_dir(tmp_path / "bad", vocab_size=90, aux_layer_ids=[1, 2, 7], max_position_embeddings=128)
+    d = drafter_dir(tmp_path / "bad", vocab_size=90, aux_hf_indices=[2, 3, 7], max_position_embeddings=128)
     # also corrupt the weights: drop one, add one SGLang would silently ignore
     from safetensors.torch import load_file
     sd = load_file(str(d / "model.safetensors"))
@@ -65,16 +67,35 @@ def test_broken_drafter_names_each_mismatch(tmp_path):
     sd["midlayer.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
     save_file(sd, str(d / "model.safetensors"))
     cap = tmp_path / "stages" / "k25_mini" / "capture"
-    write_manifest(cap, "capture", {}, aux_layer_ids=[1, 2, 4])
+    write_manifest(cap, "capture", {}, hf_indices=[2, 3, 5])
     result = run_check(config(tmp_path, d))
     keys = [m.key for m in result.mismatches]
     assert not result.ok()
-    assert {"weights", "vocab_size", "aux_layer_ids", "max_position_embeddings"} <= set(keys)
+    assert {"weights", "vocab_size", "aux_hf_indices", "max_position_embeddings"} <= set(keys)
     text = "\n".join(result.lines())
     for needle in ("midlayer.hidden_norm.weight", "rotary_emb.inv_freq", "drafter 90 != target 80",
-                   "outside the target's decoder layers", "captured at [1, 2, 4]", "128 < target context 512"):
+                   "[7] outside 1..5", "the store holds h = [2, 3, 5]", "128 < target context 512"):
         assert needle in text, needle
     assert result.lines()[-1].startswith("FAIL")
+
+
+@pytest.mark.parametrize("rule, h", [("sglang", [2, 3, 4]), ("sglang_legacy", [3, 4, 5]), ("vllm", [2, 3, 4])])
+def test_ids_the_sglang_versions_read_differently_show_every_reading(tmp_path, rule, h):
+    """A config listing ids whose first is not 1 (like lightseekorg's K2.5 drafter's [2, 30, 58]): the check
+    prints the h a capture takes under the chosen rule, every engine's reading, and a warning."""
+    fake_target(tmp_path / "target")
+    d = drafter_dir(tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
+    del cfg["eagle3_aux_hidden_states"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    result = run_check(config(tmp_path, d, [f"aux_id_rule={rule}"]))
+    text = "\n".join(result.lines())
+    assert f"config lists ids [2, 3, 4]; capture takes h = {h} (rule '{rule}')" in text
+    assert "sglang h = [2, 3, 4], sglang_legacy h = [3, 4, 5], vllm h = [2, 3, 4]" in text
+    warn = [m for m in result.mismatches if m.key == "eagle_aux_hidden_state_layer_ids"]
+    assert len(warn) == 1 and not warn[0].fatal and "read differently" in warn[0].problem
+    assert result.ok()
 
 
 def test_warnings_only_pass_unless_strict(tmp_path):

@@ -14,7 +14,7 @@ from eagle3.model import DrafterConfig, Eagle3Drafter
 
 def tiny_cfg(**kw):
     base = dict(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                vocab_size=60, draft_vocab_size=20, target_hidden_size=16, aux_layer_ids=[0, 2, 3],
+                vocab_size=60, draft_vocab_size=20, target_hidden_size=16, aux_hf_indices=[2, 3, 4],
                 max_position_embeddings=128, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
     base.update(kw)
     return DrafterConfig(**base)
@@ -50,7 +50,9 @@ def test_round_trip_and_layout(tmp_path):
     torch.save({"optimizer": 1}, d / "training_state.pt")  # SpecForge ships this; must be ignored
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["torch_dtype"] == "bfloat16"
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    # h [2, 3, 4] is written as ids [1, 2, 3]: the form every SGLang version reads as h (eagle3/aux_layers.py)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["eagle3_aux_hidden_states"]["hf_indices"] == [2, 3, 4]
     stored = tensors_of(d)
     assert "embed_tokens.weight" not in stored
     assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
@@ -151,18 +153,19 @@ def test_missing_config_or_weights_named(tmp_path):
 def test_compatible_pair_has_no_fatal_mismatch():
     cfg = tiny_cfg(max_position_embeddings=256)
     m = make_model(cfg)
-    assert check_compatibility(cfg, TARGET, [0, 2, 3], d2t=m.d2t, t2d=m.t2d) == []
-    assert assert_compatible(cfg, TARGET, [0, 2, 3]) == []
+    assert check_compatibility(cfg, TARGET, [2, 3, 4], d2t=m.d2t, t2d=m.t2d) == []
+    assert assert_compatible(cfg, TARGET, [2, 3, 4]) == []
 
 
 @pytest.mark.parametrize("change,key,fatal", [
     (dict(hidden_size=32, intermediate_size=32), "hidden_size", True),
     (dict(target_hidden_size=12), "target_hidden_size", True),
     (dict(vocab_size=61), "vocab_size", True),
-    (dict(aux_layer_ids=[0, 2, 6]), "aux_layer_ids", True),
-    (dict(aux_layer_ids=[0, 2]), "aux_layer_ids", True),
+    (dict(aux_hf_indices=[2, 3, 6]), "aux_hf_indices", True),   # 6 layers: h = 6 is past the last input
+    (dict(aux_hf_indices=[2, 3]), "aux_hf_indices", True),
+    (dict(aux_hf_indices=[2, 3, 3]), "aux_hf_indices", True),
     (dict(max_position_embeddings=128), "max_position_embeddings", False),
-    (dict(aux_layer_ids=None), "eagle_config", False),
+    (dict(aux_hf_indices=None), "eagle_config", False),
     (dict(eos_token_id=5), "eos_token_id", False),
 ])
 def test_each_mismatch_is_named(change, key, fatal):
@@ -175,8 +178,8 @@ def test_each_mismatch_is_named(change, key, fatal):
 
 def test_captured_ids_and_mapping_checked():
     cfg = tiny_cfg(max_position_embeddings=256)
-    found = compatibility_mismatches(cfg, TARGET, aux_layer_ids_captured=[1, 2, 3])
-    assert [m.key for m in found] == ["aux_layer_ids"] and "captured" in found[0].problem
+    found = compatibility_mismatches(cfg, TARGET, hf_indices_captured=[3, 4, 5])
+    assert [m.key for m in found] == ["aux_hf_indices"] and "the store holds h = [3, 4, 5]" in found[0].problem
     m = make_model(cfg)
     short_t2d = m.t2d[:-1]
     found = compatibility_mismatches(cfg, TARGET, d2t=m.d2t, t2d=short_t2d)
@@ -188,7 +191,7 @@ def test_captured_ids_and_mapping_checked():
 def test_check_drafter_dir_reads_mapping(tmp_path):
     m = make_model(tiny_cfg(max_position_embeddings=256))
     d = save_drafter_dir(m, tmp_path / "ok")
-    cfg, found = check_drafter_dir(d, TARGET, [0, 2, 3])
+    cfg, found = check_drafter_dir(d, TARGET, [2, 3, 4])
     assert cfg == m.config and found == []
     cfg, found = check_drafter_dir(d, {**TARGET, "vocab_size": 70})
     assert {f.key for f in found} >= {"vocab_size"}

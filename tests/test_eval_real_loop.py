@@ -12,7 +12,7 @@ from eval.real_check import capture_sequence, real_vs_simulated
 from eval.real_loop import greedy_decode, speculative_decode
 from tests.conftest import TINY_TARGET_HIDDEN, TINY_VOCAB
 
-AUX_IDS = [1, 3, 4]
+AUX_H = [2, 4, 5]  # hidden-state indices h (SGLang's default for the tiny targets' 8 layers)
 DRAFT_V = 256
 
 
@@ -31,7 +31,7 @@ def new_drafter(tiny_k25_target, seed=0):
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=TINY_TARGET_HIDDEN, intermediate_size=128, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, vocab_size=TINY_VOCAB, draft_vocab_size=DRAFT_V,
-                        target_hidden_size=TINY_TARGET_HIDDEN, aux_layer_ids=AUX_IDS, torch_dtype="float32")
+                        target_hidden_size=TINY_TARGET_HIDDEN, aux_hf_indices=AUX_H, torch_dtype="float32")
     d = Eagle3Drafter(cfg)
     d.set_embeddings(load_embed_tokens(tiny_k25_target, "kimi_k25").float())
     return d
@@ -42,7 +42,7 @@ def fitted_drafter(tiny_k25_target, target, seqs, steps=60):
     d = new_drafter(tiny_k25_target)
     data = []
     for ids, plen in seqs:
-        aux, argmax = capture_sequence(target, ids, AUX_IDS)
+        aux, argmax = capture_sequence(target, ids, AUX_H)
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[plen:] = True
         data.append((aux, ids, argmax, mask))

@@ -14,11 +14,11 @@ from eval.evaluate import EvalInputError, evaluate_drafter, simulate_accept_leng
 V, DV, H, HT = 40, 24, 16, 12
 
 
-def tiny_drafter(seed=0, aux_ids=(0, 1, 2)) -> Eagle3Drafter:
+def tiny_drafter(seed=0, hf_indices=(2, 3, 4)) -> Eagle3Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
-                        aux_layer_ids=list(aux_ids), initializer_range=0.3)
+                        aux_hf_indices=list(hf_indices), initializer_range=0.3)
     model = Eagle3Drafter(cfg).eval()
     model.set_embeddings(torch.randn(V, H))
     ids = torch.sort(torch.randperm(V)[:DV]).values
@@ -99,9 +99,9 @@ def self_consistent_sequence(model, T=40, seed=0):
     return aux, ids, argmax
 
 
-def write_store(path, seqs, aux_ids=(0, 1, 2), prompt=3):
-    w = HiddenStateWriter(path, hidden_size=H, target_hidden_size=HT, aux_layer_ids=list(aux_ids),
-                          hf_indices=[i + 1 for i in aux_ids], dtype="float32", shard_tokens=64)
+def write_store(path, seqs, hf_indices=(2, 3, 4), prompt=3):
+    w = HiddenStateWriter(path, hidden_size=H, target_hidden_size=HT, hf_indices=list(hf_indices), dtype="float32",
+                          shard_tokens=64)
     for n, (aux, ids, argmax) in enumerate(seqs):
         mask = torch.ones(ids.numel(), dtype=torch.bool)
         mask[:prompt] = False
@@ -133,10 +133,10 @@ def test_mismatching_store_warns_and_bad_pairs_fail(tmp_path):
     store = write_store(tmp_path / "val", [(aux, ids, argmax)])
     rep = evaluate_drafter(model, store, knobs=[SpecKnobs()], ttt_length=2, progress=False)
     assert rep["mismatch_rate"] > 0.5 and any("not the target's greedy choice" in w for w in rep["warnings"])
-    with pytest.raises(EvalInputError, match="aux_layer_ids"):
-        evaluate_drafter(tiny_drafter(aux_ids=(1, 2, 3)), store, knobs=[SpecKnobs()], progress=False)
-    empty = HiddenStateWriter(tmp_path / "empty", hidden_size=H, target_hidden_size=HT, aux_layer_ids=[0, 1, 2],
-                              hf_indices=[1, 2, 3], dtype="float32")
+    with pytest.raises(EvalInputError, match=r"drafter reads hidden states h = \[3, 4, 5\], the store holds"):
+        evaluate_drafter(tiny_drafter(hf_indices=(3, 4, 5)), store, knobs=[SpecKnobs()], progress=False)
+    empty = HiddenStateWriter(tmp_path / "empty", hidden_size=H, target_hidden_size=HT, hf_indices=[2, 3, 4],
+                              dtype="float32")
     empty.finish()
     with pytest.raises(EvalInputError, match="no sequences"):
         evaluate_drafter(model, HiddenStateStore(tmp_path / "empty"), progress=False)

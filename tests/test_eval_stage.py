@@ -17,7 +17,7 @@ from eval.real_check import capture_sequence
 from eval.real_loop import greedy_decode
 from eval.stage import latencies_from_config, run_eval
 from tests.conftest import TINY_TARGET_HIDDEN
-from tests.test_eval_real_loop import AUX_IDS, new_drafter, prompts
+from tests.test_eval_real_loop import AUX_H, new_drafter, prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,10 @@ def world(tiny_k25_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_world")
     target, _ = load_target(tiny_k25_target, "kimi_k25", dtype="float32")
     w = HiddenStateWriter(root / "capture" / "validation", hidden_size=TINY_TARGET_HIDDEN,
-                          target_hidden_size=TINY_TARGET_HIDDEN, aux_layer_ids=AUX_IDS,
-                          hf_indices=[i + 1 for i in AUX_IDS], dtype="float32", shard_tokens=64)
+                          target_hidden_size=TINY_TARGET_HIDDEN, hf_indices=AUX_H, dtype="float32", shard_tokens=64)
     for n, p in enumerate(prompts(2, L=5, seed=1)):
         ids = torch.cat([p, torch.tensor(greedy_decode(target, p, 16).tokens)])
-        aux, argmax = capture_sequence(target, ids, AUX_IDS)
+        aux, argmax = capture_sequence(target, ids, AUX_H)
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[p.numel():] = True
         w.add(f"v{n}", ids, mask, aux, torch.zeros(ids.numel(), TINY_TARGET_HIDDEN), argmax)
@@ -87,7 +86,7 @@ def test_run_eval_bad_inputs(world, tiny_k25_target, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps(other))
     (bad / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
-    with pytest.raises(EvalInputError, match="aux_layer_ids"):
+    with pytest.raises(EvalInputError, match=r"drafter reads hidden states h = \[0, 2, 5\]"):
         run_eval(eval_config(root, tiny_k25_target, bad, "name=bad"))
 
 

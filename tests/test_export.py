@@ -181,9 +181,10 @@ def test_capture_with_other_layer_ids_is_refused(world, tmp_path):
     shutil.copytree(world["root"], root, symlinks=True, ignore=NO_EXPORTS)
     ckpt = root / world["checkpoint"].relative_to(world["root"])
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    # the capture holds h = [2, 4, 6]; ids [3, 4, 6] mean h = [3, 4, 6] in current SGLang (first id not 1)
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [3, 4, 6]
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ExportError, match=r"not trained on this capture"):
+    with pytest.raises(ExportError, match=r"mean h = \[3, 4, 6\].*holds h = \[2, 4, 6\].*not trained on this capture"):
         run_export(export_config({**world, "root": root}))
 
 
@@ -248,3 +249,21 @@ def test_bit_flipped_step_checkpoint_is_refused_by_its_checksums(world, tmp_path
     (step / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ExportError, match=r"model.safetensors: does not match its sha256"):
         run_export(cfg)
+
+
+def test_speculators_embed_option_ships_the_targets_embedding(world, tmp_path):
+    """export.speculators_embed=true: speculators/ also holds embed_tokens.weight, the target's rounded to the
+    export dtype, accepted by the validator and the round trip; SERVE.md says why; a rerun reuses it."""
+    from safetensors import safe_open
+
+    cfg = export_config(world, f"out_dir={tmp_path / 'e'}", "format=speculators", "speculators_embed=true")
+    out = run_export(cfg)
+    target = load_embed_tokens(world["target"], "kimi_k25")
+    with safe_open(str(out / "speculators" / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("embed_tokens.weight"), target.to(torch.bfloat16))
+    text = (out / "SERVE.md").read_text()
+    assert "also holds the target's `embed_tokens.weight`" in text and "speculators' own Python API" in text
+    stamp = (out / "speculators" / "model.safetensors").stat().st_mtime_ns
+    assert run_export(cfg) == out and (out / "speculators" / "model.safetensors").stat().st_mtime_ns == stamp
+    plain = run_export(export_config(world, f"out_dir={tmp_path / 'p'}", "format=speculators"))
+    assert "export with `speculators_embed=true`" in (plain / "SERVE.md").read_text()

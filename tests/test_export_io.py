@@ -11,14 +11,14 @@ from eval.export_io import export_tensors, load_speculators_dir, validate_format
 from test_export_world import HF_INDICES, AUX_IDS, tiny_drafter
 
 V, CTX = 512, 4096
-KW = dict(vocab_size=V, max_position_embeddings=CTX, aux_layer_ids=AUX_IDS, hf_indices=HF_INDICES,
+KW = dict(vocab_size=V, max_position_embeddings=CTX, hf_indices=HF_INDICES,
           dtype="bfloat16", rope=(10000.0, None))
 
 
 def write_dir(path, fmt, model=None, dtype="bfloat16"):
     model = model or tiny_drafter()
     sg = spec.sglang_config(model.config.to_hf_dict(), vocab_size=V, max_position_embeddings=CTX,
-                            aux_layer_ids=AUX_IDS, dtype=dtype)
+                            hf_indices=HF_INDICES, dtype=dtype)
     cfg = sg if fmt == "sglang" else spec.speculators_config(
         sg, hf_indices=HF_INDICES, verifier_path="/t", verifier_architectures=["X"], speculative_tokens=2)
     write_format_dir(path, cfg, export_tensors(model.export_state_dict(), fmt, spec.WEIGHT_DTYPES[dtype]), fmt)
@@ -102,11 +102,11 @@ def test_all_problems_are_listed_together(tmp_path):
 def test_config_faults_and_stray_files(tmp_path):
     d = write_dir(tmp_path / "s", "sglang")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = HF_INDICES  # the classic off-by-one
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = HF_INDICES  # right in new SGLang, one off in old
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "pytorch_model.bin").write_bytes(b"old weights")
     problems = "\n".join(validate_format_dir(d, "sglang", **KW))
-    assert "captured with layer ids [1, 3, 5]" in problems
+    assert "mean h = [2, 4, 6] only in SGLang with PR #25454" in problems and "h = [3, 5, 7]" in problems
     assert "pytorch_model.bin: would be loaded as weights too" in problems
     (d / "config.json").write_text("{")
     assert "not valid JSON" in validate_format_dir(d, "sglang", **KW)[0]
@@ -127,7 +127,8 @@ def test_speculators_ids_must_be_hf_indices(tmp_path):
     del cfg["norm_before_residual"]
     (d / "config.json").write_text(json.dumps(cfg))
     problems = "\n".join(validate_format_dir(d, "speculators", **KW))
-    assert "expected the captured HF indices [2, 4, 6]" in problems and "norm_before_residual" in problems
+    assert "vLLM would capture other states than the trained h = [2, 4, 6]" in problems
+    assert "norm_before_residual" in problems
 
 
 def test_speculators_loader_maps_back_exactly_and_strictly(tmp_path):
@@ -137,7 +138,7 @@ def test_speculators_loader_maps_back_exactly_and_strictly(tmp_path):
     ref = model.export_state_dict()
     got = back.export_state_dict()
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
-    assert back.config.aux_layer_ids == AUX_IDS and back.config.max_position_embeddings == CTX
+    assert back.config.aux_hf_indices == HF_INDICES and back.config.max_position_embeddings == CTX
     tamper(d, lambda t: t.__setitem__("layers.0.extra.weight", torch.zeros(2)))
-    with pytest.raises(ValueError, match="unexpected tensor 'midlayer.extra.weight'"):
+    with pytest.raises(ValueError, match="unexpected tensor 'layers.0.extra.weight'"):  # the name in the file
         load_speculators_dir(d)

@@ -7,11 +7,11 @@ from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
 
 TINY = dict(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            vocab_size=50, draft_vocab_size=12, target_hidden_size=24, aux_layer_ids=[0, 2, 4],
+            vocab_size=50, draft_vocab_size=12, target_hidden_size=24, aux_hf_indices=[2, 3, 5],
             rope_theta=10000.0, max_position_embeddings=128)
 # The published Kimi-K2.5 EAGLE-3 drafter shape (REFERENCES.md).
 K25 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
-           vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_layer_ids=[2, 30, 58],
+           vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_hf_indices=[2, 30, 58],
            rope_theta=1e6, max_position_embeddings=131072)
 
 
@@ -125,35 +125,42 @@ def test_nonfinite_weights_are_reported():
 
 
 def test_sglang_config_takes_target_context_and_capture_ids():
-    cfg = DrafterConfig(**{**K25, "aux_layer_ids": [1, 2, 3]}).to_hf_dict()  # stale ids, K2's 131072
-    out = spec.sglang_config(cfg, vocab_size=163840, max_position_embeddings=262144, aux_layer_ids=[2, 30, 58],
+    cfg = DrafterConfig(**{**K25, "aux_hf_indices": [2, 3, 4]}).to_hf_dict()  # stale ids, K2's 131072
+    out = spec.sglang_config(cfg, vocab_size=163840, max_position_embeddings=262144, hf_indices=[2, 30, 58],
                              dtype="bfloat16")
     assert out["architectures"] == ["LlamaForCausalLMEagle3"]
     assert out["max_position_embeddings"] == 262144
-    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True}
+    # h [2, 30, 58] as ids [1, 29, 57]: the form every SGLang version reads as h
+    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
+    assert out["eagle3_aux_hidden_states"]["sglang_versions"] == "every version"
     assert out["vocab_size"] == 163840 and out["draft_vocab_size"] == 32000
     assert out["rope_theta"] == 1e6 and out["rope_scaling"] is None
     assert out["tie_word_embeddings"] is False and out["num_hidden_layers"] == 1
     assert out["torch_dtype"] == "bfloat16"
     assert spec.sglang_config_problems(out, vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144,
-                                       aux_layer_ids=[2, 30, 58], dtype="bfloat16", rope=(1e6, None)) == []
+                                       hf_indices=[2, 30, 58], dtype="bfloat16", rope=(1e6, None)) == []
     # the drafter as shipped (131072, ids from another capture) fails with both named
     probs = spec.sglang_config_problems(cfg, vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144,
-                                        aux_layer_ids=[2, 30, 58], dtype="bfloat16")
+                                        hf_indices=[2, 30, 58], dtype="bfloat16")
     text = "\n".join(probs)
     assert "max_position_embeddings=131072" in text and "262144" in text
-    assert "captured with layer ids [2, 30, 58]" in text
+    assert "trained on h = [2, 30, 58]; expected [1, 29, 57]" in text
 
 
 def test_sglang_config_problems_catch_each_silent_trap():
     good = spec.sglang_config(DrafterConfig(**TINY).to_hf_dict(), vocab_size=50, max_position_embeddings=256,
-                              aux_layer_ids=[0, 2, 4], dtype="bfloat16")
-    kw = dict(vocab_size=50, draft_vocab_size=12, max_position_embeddings=256, aux_layer_ids=[0, 2, 4],
+                              hf_indices=[2, 3, 5], dtype="bfloat16")
+    kw = dict(vocab_size=50, draft_vocab_size=12, max_position_embeddings=256, hf_indices=[2, 3, 5],
               dtype="bfloat16", rope=(10000.0, None))
     assert spec.sglang_config_problems(good, **kw) == []
     cases = {
         "tie_word_embeddings": ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
         "no eagle_config": ({"eagle_config": None}, "no eagle_config"),
+        # ids equal to h: right for current SGLang, one layer off for older SGLang, and the config does not say so
+        "ids one off": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5], "use_aux_hidden_state": True}},
+                        "mean h = [2, 3, 5] only in SGLang with PR #25454"),
+        "ids of other states": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 4, 6],
+                                                  "use_aux_hidden_state": True}}, "trained on h = [2, 3, 5]"),
         "vocab": ({"vocab_size": 12}, "vocab_size=12"),
         "draft vocab": ({"draft_vocab_size": 50}, "draft_vocab_size=50"),
         "rope": ({"rope_theta": 5e5}, "rope settings"),
@@ -167,12 +174,12 @@ def test_sglang_config_problems_catch_each_silent_trap():
 
 def test_speculators_config_fields_and_inverse():
     sg = spec.sglang_config(DrafterConfig(**K25).to_hf_dict(), vocab_size=163840, max_position_embeddings=262144,
-                            aux_layer_ids=[2, 30, 58], dtype="bfloat16")
-    sp = spec.speculators_config(sg, hf_indices=[3, 31, 59], verifier_path="/models/Kimi-K2.5",
+                            hf_indices=[2, 30, 58], dtype="bfloat16")
+    sp = spec.speculators_config(sg, hf_indices=[2, 30, 58], verifier_path="/models/Kimi-K2.5",
                                  verifier_architectures=["KimiK25ForConditionalGeneration"], speculative_tokens=3)
     assert sp["architectures"] == ["Eagle3Speculator"] and sp["speculators_model_type"] == "eagle3"
     assert sp["norm_before_residual"] is False
-    assert sp["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]  # vLLM: HF indices
+    assert sp["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # vLLM reads ids as h
     assert sp["draft_vocab_size"] == 32000 and sp["target_hidden_size"] == 7168
     layer = sp["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["vocab_size"] == 163840
@@ -185,10 +192,11 @@ def test_speculators_config_fields_and_inverse():
                               "architectures": ["KimiK25ForConditionalGeneration"]}
     kw = dict(vocab_size=163840, draft_vocab_size=32000, max_position_embeddings=262144, dtype="bfloat16",
               rope=(1e6, None))
-    assert spec.speculators_config_problems(sp, hf_indices=[3, 31, 59], **kw) == []
-    assert any("HF indices" in p for p in spec.speculators_config_problems(sp, hf_indices=[2, 30, 58], **kw))
+    assert spec.speculators_config_problems(sp, hf_indices=[2, 30, 58], **kw) == []
+    assert any("vLLM would capture other states" in p
+               for p in spec.speculators_config_problems(sp, hf_indices=[3, 31, 59], **kw))
     broken = {**sp, "norm_before_residual": None, "speculators_config": {**sc, "verifier": {}}}
-    text = "\n".join(spec.speculators_config_problems(broken, hf_indices=[3, 31, 59], **kw))
+    text = "\n".join(spec.speculators_config_problems(broken, hf_indices=[2, 30, 58], **kw))
     assert "norm_before_residual" in text and "verifier.name_or_path" in text
     # back to an SGLang config our DrafterConfig parses to the same drafter
     back = DrafterConfig.from_hf_dict(spec.sglang_from_speculators(sp))
@@ -272,12 +280,12 @@ def test_exported_configs_parse_as_transformers_configs():
     from transformers import LlamaConfig
 
     sg = spec.sglang_config(DrafterConfig(**TINY).to_hf_dict(), vocab_size=50, max_position_embeddings=4096,
-                            aux_layer_ids=[0, 2, 4], dtype="bfloat16")
+                            hf_indices=[2, 3, 5], dtype="bfloat16")
     cfg = LlamaConfig(**{k: v for k, v in sg.items() if k != "model_type"})
-    assert cfg.draft_vocab_size == 12 and cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert cfg.draft_vocab_size == 12 and cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
     assert cfg.tie_word_embeddings is False and cfg.max_position_embeddings == 4096 and cfg.head_dim == 8
     assert cfg.num_hidden_layers == 1 and cfg.target_hidden_size == 24
-    sp = spec.speculators_config(sg, hf_indices=[1, 3, 5], verifier_path="/t", verifier_architectures=["X"],
+    sp = spec.speculators_config(sg, hf_indices=[2, 3, 5], verifier_path="/t", verifier_architectures=["X"],
                                  speculative_tokens=2)
     layer = LlamaConfig(**{k: v for k, v in sp["transformer_layer_config"].items() if k != "model_type"})
     assert layer.vocab_size == 50 and layer.hidden_size == 16 and layer.num_key_value_heads == 2

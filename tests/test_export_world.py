@@ -12,9 +12,10 @@ from eagle3.store import HiddenStateStore, HiddenStateWriter
 from eagle3.target_io import read_text_config
 from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
 
+# h the tiny drafters read, and the SGLang ids that mean h in every SGLang version (h - 1: first id 1)
 AUX_IDS, HF_INDICES = [1, 3, 5], [2, 4, 6]
 DRAFTER = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               vocab_size=512, draft_vocab_size=40, target_hidden_size=64, aux_layer_ids=AUX_IDS,
+               vocab_size=512, draft_vocab_size=40, target_hidden_size=64, aux_hf_indices=HF_INDICES,
                max_position_embeddings=128, rope_theta=10000.0, torch_dtype="float32")
 
 
@@ -37,14 +38,14 @@ def tiny_drafter(seed: int = 0, **over) -> Eagle3Drafter:
 
 
 def write_store(store_dir: Path, num_sequences: int = 3, seed: int = 0, hidden: int = 64,
-                aux_ids=AUX_IDS, hf_indices=HF_INDICES) -> Path:
+                hf_indices=HF_INDICES) -> Path:
     g = torch.Generator().manual_seed(seed)
-    w = HiddenStateWriter(store_dir, hidden_size=hidden, target_hidden_size=hidden, aux_layer_ids=list(aux_ids),
-                          hf_indices=list(hf_indices), dtype="float32", shard_tokens=64)
+    w = HiddenStateWriter(store_dir, hidden_size=hidden, target_hidden_size=hidden, hf_indices=list(hf_indices),
+                          dtype="float32", shard_tokens=64)
     for i in range(num_sequences):
         T = 20 + 7 * i
         w.add(f"seq-{i}", torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool),
-              torch.randn(T, len(aux_ids) * hidden, generator=g), torch.randn(T, hidden, generator=g),
+              torch.randn(T, len(hf_indices) * hidden, generator=g), torch.randn(T, hidden, generator=g),
               torch.randint(0, 512, (T,), generator=g))
     w.finish()
     return store_dir
@@ -68,6 +69,6 @@ def test_world_is_consistent(tmp_path, tiny_k25_target):
     w = build_world(tmp_path, tiny_k25_target)
     store = HiddenStateStore(w["store"])
     cfg = json.loads((w["checkpoint"] / "config.json").read_text())
-    assert store.aux_layer_ids == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert store.hf_indices == HF_INDICES and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
     assert store.target_hidden_size == cfg["target_hidden_size"] == read_text_config(tiny_k25_target, "kimi_k25")["hidden_size"]
     assert cfg["max_position_embeddings"] == 128 < read_text_config(tiny_k25_target, "kimi_k25")["max_position_embeddings"]

@@ -60,7 +60,7 @@ def vocab_ids(seed):
 def old_drafter_dir(tmp_path, **cfg_kw):
     """An 'AQ-MedAI'-style drafter for the target: its own vocab, max_position 128 (< target's 512)."""
     kw = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-              vocab_size=80, draft_vocab_size=N, target_hidden_size=16, aux_layer_ids=[1, 2, 4],
+              vocab_size=80, draft_vocab_size=N, target_hidden_size=16, aux_hf_indices=[2, 3, 5],
               max_position_embeddings=128, rope_theta=1e6, torch_dtype="bfloat16")
     kw.update(cfg_kw)
     cfg = DrafterConfig(**kw)
@@ -77,7 +77,7 @@ def old_drafter_dir(tmp_path, **cfg_kw):
 def test_from_old_drafter(targets, tmp_path, layout):
     d, old, old_ids = old_drafter_dir(tmp_path)
     new_ids = vocab_ids(2)
-    model, report = build_training_drafter("aqmedai_k2", d, targets[layout], layout, new_ids, [1, 2, 4])
+    model, report = build_training_drafter("aqmedai_k2", d, targets[layout], layout, new_ids, [2, 3, 5])
     embed = target_io.load_embed_tokens(targets[layout], layout)
     assert torch.equal(model.embed_tokens.weight, embed) and not model.embed_tokens.weight.requires_grad
     assert model.config.max_position_embeddings == 512 and report["max_position_embeddings"]["old"] == 128
@@ -109,11 +109,15 @@ def test_from_old_drafter(targets, tmp_path, layout):
 def test_old_drafter_incompatible_with_target_stops_first(targets, tmp_path):
     d, _, _ = old_drafter_dir(tmp_path, vocab_size=90, target_hidden_size=12)
     with pytest.raises(CompatibilityError) as e:
-        build_training_drafter("aqmedai_k2", d, targets["causal_lm"], "causal_lm", vocab_ids(2), [1, 2, 4])
+        build_training_drafter("aqmedai_k2", d, targets["causal_lm"], "causal_lm", vocab_ids(2), [2, 3, 5])
     assert "vocab_size" in str(e.value) and "target_hidden_size" in str(e.value)
     d2, _, _ = old_drafter_dir(tmp_path / "b")
-    with pytest.raises(CompatibilityError, match="captured"):
-        build_training_drafter("aqmedai_k2", d2, targets["causal_lm"], "causal_lm", vocab_ids(2), [0, 2, 4])
+    with pytest.raises(CompatibilityError, match=r"the store holds h = \[3, 4, 5\]"):
+        build_training_drafter("aqmedai_k2", d2, targets["causal_lm"], "causal_lm", vocab_ids(2), [3, 4, 5])
+    # the rule decides: ids [1, 2, 4] mean h = [2, 3, 5] for SGLang but h = [1, 2, 4] for vLLM
+    with pytest.raises(CompatibilityError, match=r"drafter reads hidden states h = \[1, 2, 4\]"):
+        build_training_drafter("aqmedai_k2", d2, targets["causal_lm"], "causal_lm", vocab_ids(2), [2, 3, 5],
+                               aux_id_rule="vllm")
 
 
 @pytest.mark.parametrize("rule", ["mean", "zeros"])
@@ -121,7 +125,7 @@ def test_other_new_row_rules(targets, tmp_path, rule):
     d, old, old_ids = old_drafter_dir(tmp_path)
     new_ids = vocab_ids(2)
     model, report = build_training_drafter("aqmedai_k2", d, targets["causal_lm"], "causal_lm", new_ids, None, rule)
-    assert report["lm_head_remap"]["rule"] == rule and model.config.aux_layer_ids == [1, 2, 4]
+    assert report["lm_head_remap"]["rule"] == rule and model.config.aux_hf_indices == [2, 3, 5]
     fresh = [i for i, t in enumerate(new_ids.tolist()) if t not in old_ids.tolist()]
     want = old.lm_head.weight.mean(0) if rule == "mean" else torch.zeros(16)
     torch.testing.assert_close(model.lm_head.weight[fresh], want.expand(len(fresh), 16))
@@ -130,7 +134,7 @@ def test_other_new_row_rules(targets, tmp_path, rule):
 @pytest.mark.parametrize("layout", ["causal_lm", "kimi_k25"])
 def test_scratch(targets, layout):
     new_ids = vocab_ids(4)
-    model, report = build_training_drafter("scratch", None, targets[layout], layout, new_ids, [1, 2, 4])
+    model, report = build_training_drafter("scratch", None, targets[layout], layout, new_ids, [2, 3, 5])
     c = model.config
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (16, 2, 2, 8, 32)
     assert (c.vocab_size, c.draft_vocab_size, c.max_position_embeddings, c.rope_theta) == (80, N, 512, 50000.0)
@@ -140,7 +144,7 @@ def test_scratch(targets, layout):
     assert torch.equal(model.draft_ids_to_target(torch.arange(N)), new_ids)
     assert report["trainable_parameters"] == sum(p.numel() for n, p in model.named_parameters() if n != "embed_tokens.weight")
     assert 0.01 < float(model.fc.weight.detach().std()) < 0.03  # N(0, 0.02) init
-    again, _ = build_training_drafter("scratch", None, targets[layout], layout, new_ids, [1, 2, 4])
+    again, _ = build_training_drafter("scratch", None, targets[layout], layout, new_ids, [2, 3, 5])
     assert torch.equal(again.fc.weight, model.fc.weight)  # deterministic
 
 
@@ -153,11 +157,12 @@ def test_scratch_config_for_kimi_k25_shape():
     cfg, _ = scratch_config(text, 32000, [2, 30, 58])
     assert (cfg.head_dim, cfg.num_attention_heads, cfg.intermediate_size, cfg.max_position_embeddings) == (128, 64, 18432, 262144)
     out = cfg.to_hf_dict()
-    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58] and out["bos_token_id"] == 163584
+    # h [2, 30, 58] (Kimi's layers 2/30/58) is written as ids [1, 29, 57]: h in every SGLang version
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57] and out["bos_token_id"] == 163584
 
 
 def test_bad_vocab_ids_rejected(targets):
     with pytest.raises(ValueError):
-        build_training_drafter("scratch", None, targets["causal_lm"], "causal_lm", torch.tensor([5, 3, 9]), [1, 2, 4])
+        build_training_drafter("scratch", None, targets["causal_lm"], "causal_lm", torch.tensor([5, 3, 9]), [2, 3, 5])
     with pytest.raises(ValueError, match="init"):
-        build_training_drafter("medusa", None, targets["causal_lm"], "causal_lm", vocab_ids(2), [1, 2, 4])
+        build_training_drafter("medusa", None, targets["causal_lm"], "causal_lm", vocab_ids(2), [2, 3, 5])

@@ -11,7 +11,7 @@ from eagle3.ttt import KVCache, TTTCache, ttt_position_ids
 
 def tiny_cfg(**kw):
     base = dict(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=50, draft_vocab_size=20, target_hidden_size=12, aux_layer_ids=[0, 2, 4],
+                vocab_size=50, draft_vocab_size=20, target_hidden_size=12, aux_hf_indices=[2, 3, 5],
                 rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, torch_dtype="float32")
     base.update(kw)
     return DrafterConfig(**base)
@@ -174,7 +174,7 @@ def test_right_padded_batch_matches_unpadded():
 def test_kimi_k25_drafter_shape_on_meta():
     cfg = DrafterConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
                         head_dim=128, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,
-                        aux_layer_ids=[2, 30, 58], rms_norm_eps=1e-6, rope_theta=1e6,
+                        aux_hf_indices=[2, 30, 58], rms_norm_eps=1e-6, rope_theta=1e6,
                         max_position_embeddings=262144)
     with torch.device("meta"):
         m = Eagle3Drafter(cfg)
@@ -207,12 +207,16 @@ def test_hf_config_round_trip_and_defaults():
            "vocab_size": 163840, "draft_vocab_size": 32000, "num_hidden_layers": 1, "bos_token_id": 163584,
            "eos_token_id": 163585, "torch_dtype": "bfloat16", "some_vendor_key": 7,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True}}
-    cfg = DrafterConfig.from_hf_dict(src)
-    assert cfg.target_hidden_size == 7168 and cfg.aux_layer_ids == [2, 30, 58]
+    cfg = DrafterConfig.from_hf_dict(src)  # current SGLang: a first id other than 1 means h = id
+    assert cfg.target_hidden_size == 7168 and cfg.aux_hf_indices == [2, 30, 58]
+    assert DrafterConfig.from_hf_dict(src, id_rule="sglang_legacy").aux_hf_indices == [3, 31, 59]
     out = cfg.to_hf_dict()
     assert out["architectures"] == ["LlamaForCausalLMEagle3"] and out["num_hidden_layers"] == 1
-    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True}
-    assert out["some_vendor_key"] == 7 and out["draft_vocab_size"] == 32000 and out["model_type"] == "llama"
+    # written back in the form every SGLang version reads as h = [2, 30, 58]
+    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
+    assert DrafterConfig.from_hf_dict(out, id_rule="sglang_legacy").aux_hf_indices == [2, 30, 58]
+    assert cfg.unknown_keys == ["some_vendor_key"] and "some_vendor_key" not in out  # reported, never carried
+    assert out["draft_vocab_size"] == 32000 and out["model_type"] == "llama"
     assert DrafterConfig.from_hf_dict(out) == cfg
     bare = DrafterConfig.from_hf_dict({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                        "vocab_size": 100})

@@ -10,8 +10,7 @@ from eagle3.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenSt
                           StoreMismatchError, merge_stores)
 
 H = 4
-IDS = [2, 30, 58]
-HF = [3, 31, 59]
+HF = [2, 30, 58]  # Kimi's aux hidden states h
 
 
 def make_seq(i, T):
@@ -26,7 +25,7 @@ LENGTHS = [5, 3, 7, 2, 6, 4, 1, 8]
 
 
 def writer(d, **kw):
-    args = dict(hidden_size=H, target_hidden_size=H, aux_layer_ids=IDS, hf_indices=HF, shard_tokens=10,
+    args = dict(hidden_size=H, target_hidden_size=H, hf_indices=HF, shard_tokens=10,
                 meta={"target": "abc"})
     args.update(kw)
     return HiddenStateWriter(d, **args)
@@ -51,7 +50,7 @@ def test_round_trip_values_and_metadata(tmp_path, background):
     assert len(store) == len(LENGTHS) and store.lengths == LENGTHS
     assert store.ids == [f"s{i}" for i in range(len(LENGTHS))]
     assert store.num_tokens == sum(LENGTHS) == m["num_tokens"]
-    assert store.aux_layer_ids == IDS and store.hf_indices == HF and store.hidden_size == H
+    assert store.hf_indices == HF and store.hidden_size == H
     # a shard holds at most 10 tokens: 5+3 | 7+2 | 6+4 | 1+8
     assert [s["lengths"] for s in m["shards"]] == [[5, 3], [7, 2], [6, 4], [1, 8]]
     for i in [7, 0, 4, 3]:  # random access across shards
@@ -103,8 +102,8 @@ def test_resume_after_kill_is_byte_identical(tmp_path, background):
 
 def test_resume_with_other_settings_refuses_to_mix(tmp_path):
     write_all(tmp_path)
-    with pytest.raises(StoreMismatchError, match="aux_layer_ids"):
-        writer(tmp_path, aux_layer_ids=[1, 2, 3])
+    with pytest.raises(StoreMismatchError, match="hf_indices"):
+        writer(tmp_path, hf_indices=[1, 2, 3])
     with pytest.raises(StoreMismatchError, match="meta"):
         writer(tmp_path, meta={"target": "other"})
 

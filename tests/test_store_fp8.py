@@ -11,8 +11,7 @@ from eagle3.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenSt
                           StoreMismatchError, merge_stores)
 
 H = 64
-IDS = [2, 30, 58]
-HF = [3, 31, 59]
+HF = [2, 30, 58]  # Kimi's aux hidden states h
 LENGTHS = [5, 3, 7, 2, 6]
 FP8 = "float8_e4m3fn"
 
@@ -29,7 +28,7 @@ def make_seq(i, T):
 
 
 def writer(d, **kw):
-    args = dict(hidden_size=H, target_hidden_size=H, aux_layer_ids=IDS, hf_indices=HF, shard_tokens=10,
+    args = dict(hidden_size=H, target_hidden_size=H, hf_indices=HF, shard_tokens=10,
                 meta={"target": "abc"})
     args.update(kw)
     return HiddenStateWriter(d, **args)
@@ -119,7 +118,7 @@ def test_fp8_shards_are_standard_safetensors(tmp_path):
     m = write_all(tmp_path, aux_dtype=FP8)
     t = load_file(str(tmp_path / m["shards"][0]["file"]))
     assert t["aux"].dtype == FP8_DTYPE and t["aux_scale"].dtype == torch.float32
-    assert t["aux_scale"].shape == (t["aux"].shape[0], len(IDS))
+    assert t["aux_scale"].shape == (t["aux"].shape[0], len(HF))
     assert t["last"].dtype == torch.bfloat16
 
 

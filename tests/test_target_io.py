@@ -1,4 +1,4 @@
-"""eagle3.target_io: text config, single tensors from the checkpoint, layer-id resolution, and the
+"""eagle3.target_io: text config, single tensors from the checkpoint, and the
 aux-state hooks on both layouts (Kimi-K2.5 wrapper and a plain DeepSeek-V3 causal LM)."""
 import json
 
@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from eagle3 import target_io
 from eagle3.target_io import (AuxHiddenCapture, TargetError, argmax_from_last, decoder_layers, final_norm,
                               load_checkpoint_tensor, load_embed_tokens, load_lm_head_rows, load_target,
-                              read_text_config, resolve_aux_layer_ids, text_model)
+                              read_text_config, text_model)
 
 from tests.conftest import TINY_TARGET_HIDDEN as H, TINY_TARGET_LAYERS as L, TINY_VOCAB as V
 
@@ -66,50 +66,31 @@ def test_sharded_checkpoint_via_index(tiny_targets, tmp_path):
         load_checkpoint_tensor(tmp_path, ["model.nothing.weight"])
 
 
-def test_resolve_aux_layer_ids(tmp_path):
-    assert resolve_aux_layer_ids(None, None, 61) == ([1, 29, 57], [2, 30, 58], "sglang_default")
-    assert resolve_aux_layer_ids(None, [2, 30, 58], 61) == ([2, 30, 58], [3, 31, 59], "config")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}))
-    ids, hf, source = resolve_aux_layer_ids(drafter, None, 61)
-    assert (ids, hf) == ([2, 30, 58], [3, 31, 59]) and source.startswith("init_drafter:")
-    assert resolve_aux_layer_ids(drafter, [2, 30, 58], 61)[0] == [2, 30, 58]
-    with pytest.raises(TargetError, match="conflicts"):
-        resolve_aux_layer_ids(drafter, [1, 2, 3], 61)
-    with pytest.raises(TargetError, match=r"\[30, 58\] outside .*\[0, 8\)"):
-        resolve_aux_layer_ids(drafter, None, 8)  # K2.5 ids on an 8-layer target
-    with pytest.raises(TargetError, match="outside"):
-        resolve_aux_layer_ids(None, [-1, 2, 3], 61)
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "config.json").write_text("{}")
-    assert resolve_aux_layer_ids(bare, [0, 1, 4], 8)[2] == "config"  # no eagle_config: falls through
-
-
 @pytest.mark.parametrize("layout", ["kimi_k25", "causal_lm"])
-def test_hooks_capture_hf_hidden_states_i_plus_1(tiny_targets, layout):
+def test_hooks_capture_hf_hidden_states_h(tiny_targets, layout):
     model, text_cfg = load_target(tiny_targets[layout], layout, dtype="float32")
     assert len(decoder_layers(model)) == text_cfg["num_hidden_layers"] == L
-    ids = [0, 3, 6]
+    hf = [1, 4, L - 1]  # h: HF output_hidden_states index = the output of decoder layer h - 1
+    # (h = L would be the last layer's raw output, while HF's hidden_states[L] is post-norm)
     input_ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(input_ids=input_ids, output_hidden_states=True)
-        with AuxHiddenCapture(model, ids) as cap:
+        with AuxHiddenCapture(model, hf) as cap:
             text_model(model)(input_ids=input_ids)
             aux, last = cap.aux, cap.last
     hs = ref.hidden_states
     assert len(hs) == L + 1
-    for k, i in enumerate(ids):
-        torch.testing.assert_close(aux[k], hs[i + 1], rtol=0, atol=0)
-        assert not torch.allclose(aux[k], hs[i], atol=1e-3)  # off-by-one would be caught
+    for k, h in enumerate(hf):
+        torch.testing.assert_close(aux[k], hs[h], rtol=0, atol=0)
+        assert not torch.allclose(aux[k], hs[h - 1], atol=1e-3)  # off-by-one would be caught
     # the post-norm state lm_head consumes: lm_head(last) reproduces the model's logits
     torch.testing.assert_close(target_io.lm_head(model)(last), ref.logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(argmax_from_last(model, last, chunk_tokens=5), ref.logits.argmax(-1))
     assert cap.aux_concat().shape == (2, 11, 3 * H)
     assert final_norm(model)._forward_hooks == {}  # hooks removed on exit
-    with pytest.raises(TargetError, match="outside"):
-        AuxHiddenCapture(model, [L])
+    for bad in ([L + 1], [0]):  # past the last layer; the embeddings (no decoder layer outputs them)
+        with pytest.raises(TargetError, match="not decoder-layer outputs"):
+            AuxHiddenCapture(model, bad)
 
 
 def test_load_target_errors(tmp_path, tiny_targets):

@@ -36,8 +36,7 @@ def test_vocab_for_another_target_is_refused(world, tmp_path):
 def test_empty_split_is_refused(world, tmp_path):
     w = copy_world(world, tmp_path)
     shutil.rmtree(w["capture"] / "train")
-    HiddenStateWriter(w["capture"] / "train", hidden_size=64, target_hidden_size=64, aux_layer_ids=world["aux_ids"],
-                      hf_indices=[i + 1 for i in world["aux_ids"]]).finish()
+    HiddenStateWriter(w["capture"] / "train", hidden_size=64, target_hidden_size=64, hf_indices=world["hf_indices"]).finish()
     with pytest.raises(TrainInputError, match="holds no sequences"):
         run_train(config_for(w, tmp_path / "o", "scratch"))
 
@@ -59,7 +58,7 @@ def test_init_drafter_reading_other_layers_is_refused(world, tmp_path):
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]
     (old / "config.json").write_text(json.dumps(cfg))
     w["old_drafter"] = old
-    with pytest.raises(TrainInputError, match=r"aux_layer_ids.*\[0, 2, 5\]"):
+    with pytest.raises(TrainInputError, match=r"drafter reads hidden states h = \[0, 2, 5\]"):
         run_train(config_for(w, tmp_path / "o", "aqmedai_k2"))
 
 
@@ -114,7 +113,7 @@ def test_token_ids_outside_the_vocab_are_named(world, tmp_path):
     src = HiddenStateStore(world["capture"] / "train")
     shutil.rmtree(w["capture"] / "train")
     dst = HiddenStateWriter(w["capture"] / "train", hidden_size=64, target_hidden_size=64,
-                            aux_layer_ids=world["aux_ids"], hf_indices=[i + 1 for i in world["aux_ids"]])
+                            hf_indices=world["hf_indices"])
     for i in range(len(src)):
         s = src[i]
         ids = s["input_ids"].clone()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3.aux_layers import sglang_default_hf_indices
 from eagle3.drafter_io import save_drafter_dir
 from eagle3.init_drafter import build_training_drafter
 from eagle3.manifest import write_manifest
@@ -28,10 +29,6 @@ from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
 DRAFT_V = 48
 
 
-def _sglang_default_ids(L: int) -> list[int]:
-    return [i - 1 for i in (2, L // 2, L - 3)]
-
-
 def write_world(root: Path, target: Path, n_train: int = 24, n_val: int = 8, seed: int = 0) -> dict:
     root = Path(root)
     text = read_text_config(target, "kimi_k25")
@@ -40,7 +37,7 @@ def write_world(root: Path, target: Path, n_train: int = 24, n_val: int = 8, see
     vocab_ids = torch.sort(torch.randperm(V - 16, generator=g)[:DRAFT_V] + 8).values  # sorted target ids
     d2t, t2d = d2t_from_ids(vocab_ids), t2d_from_ids(vocab_ids, V)
     head = load_lm_head_rows(target, "kimi_k25").float()                           # [V, H]
-    aux_ids = _sglang_default_ids(L)
+    hf_indices = sglang_default_hf_indices(L)
     E = torch.randn(V, 3 * H, generator=g)                                         # aux encoding of a token
     succ = torch.randperm(DRAFT_V, generator=g)                                    # successor rule
 
@@ -61,8 +58,8 @@ def write_world(root: Path, target: Path, n_train: int = 24, n_val: int = 8, see
 
     capture = root / "capture"
     for split, count in (("train", n_train), ("validation", n_val)):
-        w = HiddenStateWriter(capture / split, hidden_size=H, target_hidden_size=H, aux_layer_ids=aux_ids,
-                              hf_indices=[i + 1 for i in aux_ids], dtype="bfloat16", shard_tokens=200,
+        w = HiddenStateWriter(capture / split, hidden_size=H, target_hidden_size=H, hf_indices=hf_indices,
+                              dtype="bfloat16", shard_tokens=200,
                               meta={"split": split})
         for i in range(count):
             n = int(torch.randint(12, 40, (1,), generator=g))
@@ -72,21 +69,21 @@ def write_world(root: Path, target: Path, n_train: int = 24, n_val: int = 8, see
     write_manifest(capture, "capture", {"toy": True}, target={
         "path": str(target), "layout": "kimi_k25", "num_hidden_layers": L, "hidden_size": H, "vocab_size": V,
         "config_sha256": hashlib.sha256((Path(target) / "config.json").read_bytes()).hexdigest()},
-        aux_layer_ids=aux_ids)
+        hf_indices=hf_indices)
     vocab = root / "vocab"
     vocab.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t, "t2d": t2d, "counts": torch.zeros(V, dtype=torch.int64)}, str(vocab / "vocab.safetensors"))
     write_manifest(vocab, "vocab", {"toy": True})
     # The old relative's drafter: same shapes, a draft vocab that overlaps the new one by half.
     old_ids = torch.sort(torch.cat([vocab_ids[: DRAFT_V // 2], torch.arange(V - 8 - DRAFT_V // 2, V - 8)])).values
-    old, _ = build_training_drafter("scratch", None, target, "kimi_k25", old_ids, aux_layer_ids=aux_ids)
+    old, _ = build_training_drafter("scratch", None, target, "kimi_k25", old_ids, hf_indices=hf_indices)
     torch.manual_seed(seed + 1)
     with torch.no_grad():
         for p in old.midlayer.parameters():
             p.add_(0.01 * torch.randn_like(p))
     old_dir = save_drafter_dir(old, root / "old-drafter", dtype=torch.bfloat16)
     return {"capture": capture, "vocab": vocab, "old_drafter": old_dir, "target": Path(target),
-            "vocab_ids": vocab_ids, "aux_ids": aux_ids}
+            "vocab_ids": vocab_ids, "hf_indices": hf_indices}
 
 
 def overrides(world: dict, out_dir: Path, init: str = "scratch", **extra) -> list[str]:

@@ -20,7 +20,7 @@ def tiny_drafter(seed=0) -> Eagle3Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
-                        aux_layer_ids=[0, 1, 2], initializer_range=0.2)
+                        aux_hf_indices=[2, 3, 4], initializer_range=0.2)
     model = Eagle3Drafter(cfg)
     model.set_embeddings(torch.randn(V, H))
     ids = torch.sort(torch.randperm(V)[:DV]).values

@@ -100,9 +100,9 @@ def open_inputs(config) -> TrainInputs:
     for store, role in ((train, "train"), (val, "validation")):
         if store is None:
             continue
-        if store.aux_layer_ids != train.aux_layer_ids or store.hidden_size != train.hidden_size:
-            raise TrainInputError(f"{role} store {store.dir}: aux layers {store.aux_layer_ids} / hidden "
-                                  f"{store.hidden_size} differ from the train store's ({train.aux_layer_ids} / "
+        if store.hf_indices != train.hf_indices or store.hidden_size != train.hidden_size:
+            raise TrainInputError(f"{role} store {store.dir}: aux hidden states h = {store.hf_indices} / hidden "
+                                  f"{store.hidden_size} differ from the train store's (h = {train.hf_indices} / "
                                   f"{train.hidden_size}); capture both splits with the same settings")
     return TrainInputs(train, val, d2t, t2d, capture_manifest, vocab_manifest, fps, warnings)
 
@@ -123,17 +123,18 @@ def _check_target_of_capture(config, capture_manifest: dict, t2d: torch.Tensor, 
 
 
 def check_store_fits_drafter(store: HiddenStateStore, drafter, role: str) -> None:
-    """The store's widths and layers are the drafter's (fc input 3 x target H, hidden H, aux ids)."""
+    """The store's widths and layers are the drafter's (fc input 3 x target H, hidden H, aux h)."""
     cfg = drafter.config
     problems = []
-    aux_width = len(store.aux_layer_ids) * store.target_hidden_size
+    aux_width = len(store.hf_indices) * store.target_hidden_size
     if aux_width != drafter.fc.in_features:
-        problems.append(f"aux width {len(store.aux_layer_ids)} x {store.target_hidden_size} = {aux_width} != the "
+        problems.append(f"aux width {len(store.hf_indices)} x {store.target_hidden_size} = {aux_width} != the "
                         f"drafter's fc input {drafter.fc.in_features}")
     if store.hidden_size != cfg.hidden_size:
         problems.append(f"`last` width (target hidden) {store.hidden_size} != drafter hidden_size {cfg.hidden_size}")
-    if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != store.aux_layer_ids:
-        problems.append(f"captured at layer ids {store.aux_layer_ids}, the drafter reads {list(cfg.aux_layer_ids)}")
+    if cfg.aux_hf_indices is not None and list(cfg.aux_hf_indices) != store.hf_indices:
+        problems.append(f"the store holds hidden states h = {store.hf_indices}, the drafter reads "
+                        f"h = {list(cfg.aux_hf_indices)}")
     if problems:
         raise TrainInputError(f"{role} store {store.dir} does not fit the drafter: " + "; ".join(problems)
                               + ". Recapture with the drafter's settings or pick the matching init.")

@@ -325,7 +325,8 @@ def _write_final(out, drafter, model_state, config, inputs, report, step, total,
     metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
     write_manifest(out, "train", config, inputs={"capture": Path(config.capture_dir), "vocab": Path(config.vocab_dir)},
                    init_fingerprint=_init_fp(config), init_report=report, final=str(out / FINAL),
-                   wandb_dir=metrics.wandb_dir, **summary)
+                   wandb_dir=metrics.wandb_dir, hf_indices=inputs.train.hf_indices,
+                   aux_layers=inputs.train.manifest.get("aux_provenance"), **summary)
     print(f"[train] done: {step} steps, {tokens:,} tokens in {seconds:.1f}s; final drafter {out / FINAL}")
 
 

@@ -23,11 +23,12 @@ def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
     try:
         drafter, report = build_training_drafter(
             config.init.name, config.init.drafter_path, config.target.path, config.target.layout, new_ids,
-            aux_layer_ids=store.aux_layer_ids, new_row_init=config.init.new_row_init, dtype="float32")
+            hf_indices=store.hf_indices, new_row_init=config.init.new_row_init, dtype="float32",
+            aux_id_rule=config.init.aux_id_rule, seed=config.seed)
     except (ValueError, target_io.TargetError) as e:
         raise TrainInputError(f"cannot build the init={config.init.name} drafter: {e}") from e
     text = target_io.read_text_config(config.target.path, config.target.layout)
-    warnings = assert_compatible(drafter.config, text, store.aux_layer_ids, d2t=drafter.d2t, t2d=drafter.t2d)
+    warnings = assert_compatible(drafter.config, text, store.hf_indices, d2t=drafter.d2t, t2d=drafter.t2d)
     report["compatibility"] = [str(w) for w in warnings]
     check_vocab_fits_drafter(inputs.d2t, inputs.t2d, drafter, config.vocab_dir)
     for s, role in ((store, "train"), (inputs.val, "validation")):

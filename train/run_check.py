@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 
-from eagle3 import target_io  # noqa: E402
+from eagle3 import aux_layers, target_io  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.drafter_io import Mismatch, check_drafter_dir  # noqa: E402
+from eagle3.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids, read_config_dict  # noqa: E402
 from eagle3.errors import stage_errors  # noqa: E402
 from eagle3.manifest import MANIFEST, read_manifest  # noqa: E402
 from eagle3.schema.check import CheckConfig  # noqa: E402
@@ -48,24 +48,45 @@ class CheckResult:
         return head + [str(m) for m in self.mismatches] + [verdict]
 
 
-def captured_aux_ids(capture_dir: str | None) -> tuple[list[int] | None, str]:
-    """The aux layer ids of a finished capture stage, or None when there is none yet."""
+def captured_hf_indices(capture_dir: str | None) -> tuple[list[int] | None, str]:
+    """The hidden-state indices h of a finished capture stage, or None when there is none yet."""
     if not capture_dir or not (Path(capture_dir) / MANIFEST).is_file():
-        return None, "no finished capture: aux ids not compared with captured ones"
-    ids = read_manifest(Path(capture_dir), "capture").get("aux_layer_ids")
-    return ([int(i) for i in ids] if ids is not None else None), f"capture {capture_dir}: aux_layer_ids {ids}"
+        return None, "no finished capture: the drafter's h not compared with captured ones"
+    h = read_manifest(Path(capture_dir), "capture").get("hf_indices")
+    return ([int(i) for i in h] if h is not None else None), f"capture {capture_dir}: hidden states h = {h}"
+
+
+def aux_layer_lines(config: dict, num_layers: int, rule: str) -> tuple[list[str], list[Mismatch]]:
+    """What a capture for this drafter takes, under `rule`, and a warning when SGLang's versions read its
+    ids differently (a config listing ids whose first is not 1)."""
+    ids = listed_aux_ids(config)
+    if ids is None:
+        h = aux_layers.sglang_default_hf_indices(num_layers)
+        return [f"aux layers: no ids listed; capture and SGLang take the default h = {h}"], []
+    r = aux_layers.readings(ids)
+    lines = [f"aux layers: config lists ids {ids}; capture takes h = {r[rule]} (rule {rule!r}); readings: "
+             + ", ".join(f"{k} h = {v}" for k, v in r.items())]
+    note = aux_layers.disagreement_note(ids, rule, "drafter config")
+    warn = [Mismatch("eagle_aux_hidden_state_layer_ids", note, "export rewrites the ids in the form every SGLang "
+                     "version reads alike where one exists; serve with SGLang >= PR #25454 otherwise", fatal=False)
+            ] if note else []
+    return lines, warn
 
 
 def run_check(config: CheckConfig) -> CheckResult:
     t = config.target
     text = target_io.read_text_config(t.path, t.layout)  # a missing/odd target raises TargetError
-    captured, capture_note = captured_aux_ids(config.capture_dir)
-    cfg, mismatches = check_drafter_dir(config.drafter_dir, text, captured)
+    captured, capture_note = captured_hf_indices(config.capture_dir)
+    cfg, mismatches = check_drafter_dir(config.drafter_dir, text, captured, id_rule=config.aux_id_rule)
     info = [f"target: {t.layout}, {text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
             f"vocab {text['vocab_size']}, context {text['max_position_embeddings']}", capture_note]
     if cfg is not None:
-        info.append(f"drafter: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}, aux ids "
-                    f"{cfg.aux_layer_ids}, rope_theta {cfg.rope_theta}, rope_scaling {cfg.rope_scaling}, "
+        lines, warn = aux_layer_lines(read_config_dict(config.drafter_dir), int(text["num_hidden_layers"]),
+                                      config.aux_id_rule)
+        info += lines
+        mismatches = mismatches + warn
+        info.append(f"drafter: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}, aux h "
+                    f"{cfg.aux_hf_indices}, rope_theta {cfg.rope_theta}, rope_scaling {cfg.rope_scaling}, "
                     f"max_position {cfg.max_position_embeddings}")
     return CheckResult(str(config.drafter_dir), f"{t.name} ({t.path})", mismatches, info)
 

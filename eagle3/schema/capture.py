@@ -4,8 +4,9 @@ state and the target's argmax (the hidden-state store of eagle3/store.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
+from eagle3 import aux_layers
 from eagle3.conf import ConfigError
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 from eagle3.schema.capture_vllm import CAPTURE_BACKENDS, VllmCaptureConf
@@ -21,9 +22,11 @@ class CaptureConfig:
     target: TargetConf
     in_dir: str  # the prepare stage directory (train/, validation/)
     out_dir: str
-    # Decoder-layer ids (SGLang's eagle_aux_hidden_state_layer_ids; id i = HF hidden_states[i+1]).
-    # null: the init drafter's eagle_config if +init=... has one, else SGLang's default [2, L//2, L-3] (HF).
-    aux_layer_ids: Optional[List[int]] = None
+    # The 3 hidden states to capture, as HF output_hidden_states indices h (h = i + 1: the output of decoder
+    # layer i; Kimi's "layers 2/30/58" are h = [2, 30, 58]). null: the init drafter's ids read by
+    # init.aux_id_rule if +init=... lists some, else SGLang's default h = [2, L//2, L-3]. Typed Any so
+    # that a bad override gets the one-line message of aux_layers.as_int_list, not OmegaConf's.
+    aux_hf_indices: Optional[Any] = None
     splits: List[str] = field(default_factory=lambda: ["train", "validation"])
     dtype: str = "bfloat16"  # stored aux / last states (the target itself runs in target.dtype)
     # null: aux in `dtype`; float8_e4m3fn: aux as fp8 with one fp32 scale per (token, layer) row, about half
@@ -61,5 +64,9 @@ class CaptureConfig:
         bad = [s for s in self.splits if s not in ("train", "validation")]
         if bad or not self.splits:
             raise ConfigError(f"splits={self.splits}: expected a non-empty subset of ['train', 'validation']")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) == 0:
-            raise ConfigError("aux_layer_ids=[]: give layer ids or null")
+        if self.aux_hf_indices is not None:
+            try:  # the count/type/duplicate checks; the range needs the target's layer count (capture checks it)
+                self.aux_hf_indices = aux_layers.as_int_list(self.aux_hf_indices, "aux_hf_indices")
+                aux_layers.validate_hf_indices(self.aux_hf_indices, None, "aux_hf_indices")
+            except aux_layers.AuxLayerError as e:
+                raise ConfigError(str(e)) from e

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from eagle3 import aux_layers
 from eagle3.conf import ConfigError
 
 TARGET_LAYOUTS = ("kimi_k25", "causal_lm")
@@ -44,8 +45,13 @@ class InitConf:
     name: str
     drafter_path: Optional[str] = None
     new_row_init: str = "target_lm_head"
+    # How the init drafter's config.json aux layer ids become hidden-state indices h: the reading of the
+    # engine it was trained for (eagle3/aux_layers.py). sglang = current SGLang (PR #25454+).
+    aux_id_rule: str = aux_layers.DEFAULT_RULE
 
     def validate(self) -> None:
+        if self.aux_id_rule not in aux_layers.RULES:
+            raise ConfigError(f"init.aux_id_rule={self.aux_id_rule!r}: expected one of {aux_layers.RULES}")
         if self.new_row_init not in INIT_NEW_ROW_RULES:
             raise ConfigError(f"init.new_row_init={self.new_row_init!r}: expected one of {INIT_NEW_ROW_RULES}")
         if self.name != "scratch" and not self.drafter_path:

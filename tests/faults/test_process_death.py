@@ -52,8 +52,8 @@ def test_killed_export_never_leaves_a_partial_directory(pipeline, tmp_path, seed
     proc.wait(timeout=60)
     assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read()[-2000:]
     if out.exists():                       # it finished before the kill: then it is complete and valid
-        kw = dict(vocab_size=512, max_position_embeddings=4096, aux_layer_ids=pipeline["aux_ids"],
-                  hf_indices=[i + 1 for i in pipeline["aux_ids"]], dtype="bfloat16", rope=None)
+        kw = dict(vocab_size=512, max_position_embeddings=4096, hf_indices=pipeline["hf_indices"],
+                  dtype="bfloat16", rope=None)
         assert validate_format_dir(out, "sglang", **kw) == [] and (out / "manifest.json").is_file()
     run_export(export_config(pipeline, pipeline["final"], out))          # the same command again
     assert files_of(out) == files_of(ref)

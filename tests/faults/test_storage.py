@@ -90,7 +90,7 @@ def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_p
                    torch.randn(T, 24, generator=g), torch.randn(T, 8, generator=g), torch.randint(0, 50, (T,), generator=g))
 
     def write(d, limit=None):
-        w = HiddenStateWriter(d, hidden_size=8, target_hidden_size=8, aux_layer_ids=[0, 1, 2], hf_indices=[1, 2, 3],
+        w = HiddenStateWriter(d, hidden_size=8, target_hidden_size=8, hf_indices=[2, 3, 4],
                               dtype="float32", shard_tokens=16)
         with file_size_limit(limit) if limit else contextlib.nullcontext():
             for s in seqs():
@@ -186,8 +186,8 @@ def test_corrupted_export_is_detected_and_rewritten_on_rerun(pipeline, tmp_path)
     data[start:start + 2] = b"\xc0\x7f"
     (out / "model.safetensors").write_bytes(bytes(data))
     assert "fc.weight" in names
-    kw = dict(vocab_size=512, max_position_embeddings=4096, aux_layer_ids=pipeline["aux_ids"],
-              hf_indices=[i + 1 for i in pipeline["aux_ids"]], dtype="bfloat16", rope=None)
+    kw = dict(vocab_size=512, max_position_embeddings=4096, hf_indices=pipeline["hf_indices"],
+              dtype="bfloat16", rope=None)
     assert any("non-finite" in p for p in validate_format_dir(out, "sglang", **kw))
     run_export(cfg)                                         # not reused: rewritten
     assert (out / "model.safetensors").read_bytes() == good
