@@ -21,13 +21,16 @@ ROLE_MAP = {
 SKIP_REASONS = (
     "malformed",  # a line / element that is not valid JSON (or UTF-8)
     "not_a_conversation",  # valid JSON, but no list of messages under `conversations` / `messages`
+    "ambiguous_record",  # both `conversations` and `messages` (or a turn's `from`/`role`, `value`/`content`) differ
     "empty_conversation",  # no messages, or only empty ones
-    "no_assistant_turn",
+    "no_assistant_turn",  # no assistant turn after a user turn
     "unknown_role",
     "non_string_content",
+    "unencodable_text",  # text or id that is not encodable Unicode (a lone surrogate such as "\ud800")
     "duplicate_id",
     "too_long",  # nothing trainable fits in max_length (or on_overlong=skip and it is longer)
     "template_error",  # the chat template raised on this conversation
+    "tokenizer_error",  # the tokenizer raised on this conversation's rendering
     "template_not_prefix_stable",  # the loss mask cannot be derived from the template (see module doc)
     "regen_failed",  # regeneration gave up on this conversation (after retries)
 )
@@ -79,6 +82,37 @@ class SkipCounter:
         return sum(self.counts.values())
 
 
+def unencodable(text: str) -> Optional[str]:
+    """None for text that is encodable Unicode, else where it is not. JSON can spell lone surrogates
+    (`"\\ud800"` is valid JSON) that no UTF-8 file, Arrow column or tokenizer accepts; found here, one
+    such record is skipped instead of failing the batch it would be tokenized or written with."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+
+
+def _check_encodable(text: str, what: str) -> str:
+    bad = unencodable(text)
+    if bad is not None:
+        raise Skip("unencodable_text", f"{what} is not encodable Unicode ({bad})")
+    return text
+
+
+def _one_of(d: dict, keys: tuple[str, str], what: str, same=lambda v: v) -> Any:
+    """The value under whichever of two synonymous keys is set (not null); both set to values that
+    differ (by `same`) is ambiguous: which one the author meant is unknown, so the record is skipped."""
+    present = [k for k in keys if d.get(k) is not None]
+    if len(present) == 2 and same(d[keys[0]]) != same(d[keys[1]]):
+        raise Skip("ambiguous_record", f"{what} has both {keys[0]!r} and {keys[1]!r}, with different values")
+    return d[present[0]] if present else None
+
+
+def _role(role: Any) -> Any:
+    return ROLE_MAP.get(role.strip().lower(), role) if isinstance(role, str) else role
+
+
 def _content_text(content: Any, k: int) -> str:
     """A message's content as a string. OpenAI-style lists of text parts are joined; anything
     else that is not a string (null, numbers, images, dicts) is a `non_string_content` skip."""
@@ -90,41 +124,45 @@ def _content_text(content: Any, k: int) -> str:
     raise Skip("non_string_content", f"message {k} has content of type {type(content).__name__}")
 
 
-def conversation_from_record(value: Any, fallback_id: str, location: str = "") -> tuple[Conversation, int]:
+def conversation_from_record(value: Any, fallback_id: str, location: str = "") -> tuple[Conversation, int, int]:
     """Validate one raw record (ShareGPT `{"id", "conversations": [{"from", "value"}]}` or
     OpenAI-style `{"id", "messages": [{"role", "content"}]}`) into a Conversation.
 
-    Messages after the last assistant turn, and assistant turns before the first user/system
-    message, are dropped (no loss / no prompt). Returns the conversation and the number of
-    messages dropped; raises Skip for a bad record."""
+    Assistant turns before the first user turn answer nothing the model saw (ShareGPT splits long
+    chats into parts that start mid-way; a system prompt is context, not a question): they are
+    dropped, and a system prompt before them is kept. Messages after the last assistant turn carry
+    no loss and are dropped too. Returns the conversation, the number of leading assistant turns
+    dropped and the number of trailing messages dropped; raises Skip for a bad record."""
     if not isinstance(value, dict):
         raise Skip("not_a_conversation", f"record is a {type(value).__name__}, not an object")
-    turns = value.get("conversations", value.get("messages"))
+    turns = _one_of(value, ("conversations", "messages"), "the record")
     if turns is None:
         raise Skip("not_a_conversation", f"no 'conversations' or 'messages' key (keys: {sorted(value)[:8]})")
     if not isinstance(turns, list):
-        raise Skip("not_a_conversation", f"'conversations' is a {type(turns).__name__}, not a list")
+        key = "conversations" if value.get("conversations") is not None else "messages"
+        raise Skip("not_a_conversation", f"{key!r} is a {type(turns).__name__}, not a list")
     raw_id = value.get("id")
     conv_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) != "" else fallback_id
+    _check_encodable(conv_id, "the id")
     messages = []
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise Skip("not_a_conversation", f"message {k} is a {type(turn).__name__}, not an object")
-        role = turn.get("from", turn.get("role"))
-        if not isinstance(role, str) or role.strip().lower() not in ROLE_MAP:
+        role = _role(_one_of(turn, ("from", "role"), f"message {k}", _role))
+        if role not in ("user", "assistant", "system"):
             raise Skip("unknown_role", f"message {k} has role {role!r}")
-        content = turn["value"] if "value" in turn else turn.get("content")
-        messages.append({"role": ROLE_MAP[role.strip().lower()], "content": _content_text(content, k)})
+        content = _content_text(_one_of(turn, ("value", "content"), f"message {k}"), k)
+        messages.append({"role": role, "content": _check_encodable(content, f"message {k}")})
     if not messages or all(not m["content"].strip() for m in messages):
         raise Skip("empty_conversation", f"{len(messages)} messages, none with text")
-    # Assistant turns before any user/system message answer nothing the model can see (ShareGPT
-    # splits long chats into parts that start mid-way): they are dropped like trailing turns.
-    lead = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > lead]
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    leading = sum(m["role"] == "assistant" for m in messages[:first_user])
+    kept = [m for m in messages[:first_user] if m["role"] != "assistant"] + messages[first_user:]
+    assistant = [i for i, m in enumerate(kept) if m["role"] == "assistant"]
     if not assistant:
-        raise Skip("no_assistant_turn", f"roles: {[m['role'] for m in messages][:8]}")
-    dropped = lead + len(messages) - 1 - assistant[-1]
-    return Conversation(conv_id, messages[lead: assistant[-1] + 1], location), dropped
+        roles = [m["role"] for m in messages][:8]
+        raise Skip("no_assistant_turn", f"no assistant turn after a user turn (roles: {roles})")
+    return Conversation(conv_id, kept[: assistant[-1] + 1], location), leading, len(kept) - 1 - assistant[-1]
 
 
 @dataclass
@@ -132,7 +170,8 @@ class ReadInfo:
     """What reading the input found, besides the conversations themselves."""
     stats: Any = None  # data.corpus.ReadStats
     records: int = 0  # raw records looked at (good + malformed)
-    trailing_dropped: int = 0  # messages after the last assistant turn (or leading assistant turns), dropped
+    leading_dropped: int = 0  # assistant turns before the first user turn, dropped (kept records only)
+    trailing_dropped: int = 0  # messages after the last assistant turn, dropped (kept records only)
 
 
 def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Optional[int] = None):
@@ -150,7 +189,7 @@ def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Op
             skips.add("malformed", rec.location, rec.error)
             continue
         try:
-            conv, dropped = conversation_from_record(rec.value, f"{name}:{rec.index}", rec.location)
+            conv, leading, trailing = conversation_from_record(rec.value, f"{name}:{rec.index}", rec.location)
         except Skip as s:
             skips.add(s.reason, rec.location, s.detail)
             continue
@@ -158,5 +197,6 @@ def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Op
             skips.add("duplicate_id", rec.location, f"id {conv.id!r} seen before")
             continue
         seen.add(conv.id)
-        info.trailing_dropped += dropped
+        info.leading_dropped += leading
+        info.trailing_dropped += trailing
         yield conv

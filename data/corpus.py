@@ -73,7 +73,8 @@ class ReadStats:
     read: int = 0
     malformed: int = 0
     truncated: bool = False
-    truncated_at_line: Optional[int] = None
+    truncated_at_line: Optional[int] = None  # where the file ends (its last character), 1-based
+    truncated_at_column: Optional[int] = None
     truncation_detail: str = ""
     errors: list = field(default_factory=list)  # the first few error messages, with locations
 
@@ -88,12 +89,13 @@ class ReadStats:
         if self.malformed:
             s += f", {self.malformed:,} malformed"
         if self.truncated:
-            s += f"; file is truncated at line {self.truncated_at_line} ({self.truncation_detail}), incomplete tail dropped"
+            s += (f"; file is truncated at line {self.truncated_at_line}, column {self.truncated_at_column} "
+                  f"({self.truncation_detail}), incomplete tail dropped")
         return s
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("source", "format", "read", "malformed", "truncated",
-                                               "truncated_at_line", "truncation_detail", "errors")}
+        return {k: getattr(self, k) for k in ("source", "format", "read", "malformed", "truncated", "truncated_at_line",
+                                               "truncated_at_column", "truncation_detail", "errors")}
 
 
 @contextmanager
@@ -166,7 +168,8 @@ def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[RawRecord]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as e:
-                rec = RawRecord(src, lineno, error=f"malformed JSON ({e.msg} at column {e.colno})", line=lineno)
+                rec = RawRecord(src, lineno, error=f"malformed JSON ({json_error(e.msg, f'column {e.colno}')})",
+                                line=lineno)
                 first_error = first_error or rec
                 yield stats._error(rec)
                 continue
@@ -204,6 +207,17 @@ class _StreamBuffer:
         self.text += self._dec.decode(data)
         return True
 
+    def position(self, i: int) -> tuple[int, int]:
+        """1-based line and column of buffered text index `i` (the column counts from the start of
+        the buffered text if its line began before it)."""
+        line = self.line + self.text.count("\n", self.pos, i) if i >= self.pos else \
+            self.line - self.text.count("\n", i, self.pos)
+        return line, i - self.text.rfind("\n", 0, i)
+
+    def end_position(self) -> tuple[int, int]:
+        """Line and column of the last non-whitespace character read (at end of file: the file's)."""
+        return self.position(max(0, len(self.text.rstrip(_WS)) - 1))
+
     def advance(self, new_pos: int) -> None:
         self.line += self.text.count("\n", self.pos, new_pos)
         self.pos = new_pos
@@ -220,6 +234,12 @@ class _StreamBuffer:
                 return self.text[p]
             if not self.more():
                 return None
+
+
+def json_error(msg: str, where: str) -> str:
+    """json's message with a position: some of its messages end in "at" / "starting at", waiting
+    for one ("Invalid control character at"), the others get " at"."""
+    return f"{msg} {where}" if msg.endswith(" at") else f"{msg} at {where}"
 
 
 def _at_end(e: json.JSONDecodeError, text: str) -> bool:
@@ -244,7 +264,7 @@ def _iter_json_array(path: Path, stats: ReadStats) -> Iterator[RawRecord]:
         while True:
             ch = buf.skip_ws()
             if ch is None:
-                _mark_truncated(stats, buf.line, "no closing ']'")
+                _mark_truncated(stats, buf.end_position(), "no closing ']'")
                 return
             if not expect_value:
                 if ch == "]":
@@ -264,11 +284,13 @@ def _iter_json_array(path: Path, stats: ReadStats) -> Iterator[RawRecord]:
                 except json.JSONDecodeError as e:
                     if buf.more():
                         continue  # the element may continue in the next chunk
+                    line, col = buf.position(e.pos)
+                    what = json_error(e.msg, f"line {line}, column {col}")
                     if _at_end(e, buf.text):
-                        _mark_truncated(stats, start_line, f"element {index} is incomplete: {e.msg}")
+                        _mark_truncated(stats, buf.end_position(), f"the file ends inside element {index}, which "
+                                        f"starts at line {start_line}: {what}")
                     else:
-                        yield from _syntax_stop(stats, src, index, buf.line + buf.text.count("\n", buf.pos, e.pos),
-                                                f"{e.msg} (column {e.colno})")
+                        yield from _syntax_stop(stats, src, index, line, what)
                     return
                 if end == len(buf.text) and buf.more():
                     continue  # e.g. a number cut at the chunk boundary: decode again with more text
@@ -285,9 +307,9 @@ def _iter_json_array(path: Path, stats: ReadStats) -> Iterator[RawRecord]:
             expect_value = False
 
 
-def _mark_truncated(stats: ReadStats, line: int, detail: str) -> None:
+def _mark_truncated(stats: ReadStats, at: tuple[int, int], detail: str) -> None:
     stats.truncated = True
-    stats.truncated_at_line = line
+    stats.truncated_at_line, stats.truncated_at_column = at
     stats.truncation_detail = detail
 
 

@@ -195,7 +195,8 @@ def run_prepare(cfg) -> Path:
         os.replace(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
     counts = {"records_read": info.records, "kept": kept, "skipped_total": skips.total,
-              "skipped": skips.as_dict(), "trailing_messages_dropped": info.trailing_dropped,
+              "skipped": skips.as_dict(), "leading_assistant_turns_dropped": info.leading_dropped,
+              "trailing_messages_dropped": info.trailing_dropped,
               "tokens": sum(s["tokens"] for s in splits.values()),
               "loss_tokens": sum(s["loss_tokens"] for s in splits.values()),
               "truncated": sum(s["truncated"] for s in splits.values())}
@@ -203,15 +204,24 @@ def run_prepare(cfg) -> Path:
                    reader=info.stats.as_dict(), fingerprints=fingerprints, regenerate=regen_stats,
                    tokenizer={"path": cfg.target.tokenizer, "len": len(tokenizer)},
                    columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply"})
-    print(summary(info, counts, splits, regen_stats))
+    print(summary(info, counts, splits, regen_stats, skips.examples))
     return out
 
 
-def summary(info: ReadInfo, counts: dict, splits: dict, regen_stats: Optional[dict]) -> str:
+def summary(info: ReadInfo, counts: dict, splits: dict, regen_stats: Optional[dict],
+            examples: Optional[dict] = None) -> str:
+    """The console report: what was read, kept, skipped (by reason, with the first example's file
+    and line) and dropped from kept conversations, per split."""
     lines = [f"[prepare] {info.stats.summary()}",
              f"[prepare] records read {counts['records_read']:,}, kept {counts['kept']:,}, "
              f"skipped {counts['skipped_total']:,}"]
-    lines += [f"[prepare]   skipped {reason:<28} {n:,}" for reason, n in counts["skipped"].items() if n]
+    for reason, n in counts["skipped"].items():
+        if n:
+            first = (examples or {}).get(reason, [""])[0]
+            lines.append(f"[prepare]   skipped {reason:<28} {n:,}" + (f"  (first: {first})" if first else ""))
+    lines.append(f"[prepare] dropped from kept conversations: {counts['leading_assistant_turns_dropped']:,} assistant "
+                 f"turns before the first user turn, {counts['trailing_messages_dropped']:,} messages after the last "
+                 "assistant turn (no loss on either)")
     for name, s in splits.items():
         lines.append(f"[prepare] {name:<10} {s['conversations']:,} conversations, {s['tokens']:,} tokens, "
                      f"{s['loss_tokens']:,} loss tokens, {s['truncated']:,} truncated")

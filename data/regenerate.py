@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from data.chat_client import ChatClient
-from data.conversations import Conversation, SkipCounter
+from data.conversations import Conversation, SkipCounter, unencodable
 from data.hf_generator import HFGenerator, split_reasoning
 from data.regen_common import PAST_MAX_LENGTH, ROUND_TRIP, GenerationFailed, RegenerateError
+from data.template_encoder import TemplateEncoder
 
 __all__ = ["ChatClient", "GenerationFailed", "HFGenerator", "PAST_MAX_LENGTH", "ROUND_TRIP", "RegenStore",
            "RegenerateError", "assistant_message", "regenerate_batch", "regenerate_conversations", "settings_of",
@@ -147,7 +148,10 @@ def regenerate_batch(convs: list[Conversation], generate: BatchGenerate,
     `fits(history)` says whether a turn starting after `history` can still reach the tokenized
     data; once it cannot (the history is already past prepare's max_length, so truncation drops
     everything after it), the rest of the conversation is kept as written, unregenerated, with
-    finish reason `past_max_length`: generating text that is cut off anyway would only cost time."""
+    finish reason `past_max_length`: generating text that is cut off anyway would only cost time.
+
+    A reply that is not encodable Unicode (a server's JSON may spell a lone surrogate) fails its
+    conversation with GenerationFailed: it could be neither stored nor tokenized."""
     new = [[] for _ in convs]  # messages built so far
     reasons = [[] for _ in convs]
     pos = [0] * len(convs)  # next source message to copy
@@ -169,6 +173,11 @@ def regenerate_batch(convs: list[Conversation], generate: BatchGenerate,
             return list(zip(new, reasons))
         outs = generate([list(new[c]) for c in batch])  # copies: the lists grow after this
         for c, (text, reason, *reasoning) in zip(batch, outs):
+            for part in (text, *reasoning):
+                bad = unencodable(part) if isinstance(part, str) else None
+                if bad is not None:
+                    raise GenerationFailed(f"unencodable_text: the reply to message {pos[c]} is not encodable "
+                                           f"Unicode ({bad})")
             new[c].append(assistant_message(text, *reasoning))
             reasons[c].append(reason)
             pos[c] += 1
@@ -196,9 +205,13 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
         stats["generated"] += 1
         bar.update(1)
 
+    encoder = TemplateEncoder(tokenizer, cfg.max_length)
+
     def fits(history: list[dict]) -> bool:
-        prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) < cfg.max_length
+        try:
+            return encoder.prompt_fits(history)
+        except Exception as e:  # the template or tokenizer rejects this history: this conversation fails
+            raise GenerationFailed(f"rendering the history for the next turn failed: {type(e).__name__}: {e}") from e
 
     if todo and r.backend == "hf":
         gen = HFGenerator.from_target(cfg.target, tokenizer, r)

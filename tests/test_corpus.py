@@ -37,7 +37,15 @@ def test_json_array_truncated_yields_whole_elements(tmp_path, cut):
     expected = 3 if cut > 0 else (5 if cut == -1 else 4)  # -1 drops only the closing "]"
     assert [r.value for r in recs] == RECS[:expected]
     assert st.truncated and st.read == expected and st.malformed == 0
-    assert st.truncated_at_line is not None and "truncated" in st.summary()
+    # the truncation is placed where the file ends (its last character), not where the element starts
+    kept = text[:cut_at].rstrip()
+    end_line, end_col = kept.count("\n") + 1, len(kept) - kept.rfind("\n") - 1
+    assert (st.truncated_at_line, st.truncated_at_column) == (end_line, end_col)
+    assert f"truncated at line {end_line}, column {end_col}" in st.summary()
+    if cut > 0:  # inside the 4th element: the detail names it and where it starts, the message is whole
+        start_line = text[:start4].count("\n")  # its "{" is on the line before its "id"
+        assert f"the file ends inside element 3, which starts at line {start_line}: " in st.truncation_detail
+        assert not st.truncation_detail.endswith(("at", "starting at"))
 
 
 def test_json_array_streams_across_chunks(tmp_path, monkeypatch):
@@ -89,9 +97,21 @@ def test_jsonl_bad_lines_become_error_items(tmp_path):
     assert good == [(1, RECS[0]), (4, RECS[1]), (6, RECS[3])]
     bad = {r.index: r.error for r in recs if r.error}
     assert set(bad) == {2, 5}
-    assert "malformed JSON" in bad[2] and "UTF-8" in bad[5] and "0xc3" in bad[5]
+    assert bad[2] == "malformed JSON (Expecting property name enclosed in double quotes at column 2)"
+    assert "UTF-8" in bad[5] and "0xc3" in bad[5]
     assert (st.format, st.read, st.malformed) == ("jsonl", 3, 2)
     assert any(e.startswith(f"{p}:2:") for e in st.errors)
+
+
+def test_json_messages_that_end_in_at_get_their_position_once(tmp_path):
+    p = tmp_path / "ctl.jsonl"
+    p.write_bytes(b'{"a": "x\ty"}\n' + json.dumps(RECS[0]).encode() + b"\n")
+    recs, _ = read_all(p)
+    assert recs[0].error == "malformed JSON (Invalid control character at column 9)"  # not "at at column"
+    q = tmp_path / "ctl.json"
+    q.write_text("[" + json.dumps(RECS[0]) + ',\n{"a": "x\ty"},\n' + ",\n".join(map(json.dumps, RECS)) + "]")
+    recs, _ = read_all(q)
+    assert recs[1].error.startswith("JSON syntax error: Invalid control character at line 2, column 9;")
 
 
 def test_not_json_at_all_raises_naming_file_and_line(tmp_path):

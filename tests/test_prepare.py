@@ -1,8 +1,10 @@
 """The prepare stage: role mapping, the template-derived loss mask (checked against an
 independent header-token scan), truncation, the split, every bad-input reason with its count,
-the three input formats, and reuse of a finished run."""
+the three input formats, reuse of a finished run, and the records of issue 20 (text that is not
+encodable Unicode, assistant turns before the first user turn, ambiguous records, huge records)."""
 import json
 import shutil
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -63,12 +65,12 @@ def test_roles_are_mapped_and_trailing_turns_dropped():
         {"from": "system", "value": "S"}, {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
         {"from": "user", "value": "c"}, {"from": "chatgpt", "value": "d"}, {"from": "Bing", "value": "e"},
         {"from": "bard", "value": "f"}, {"from": "assistant", "value": "g"}, {"from": "human", "value": "tail"}]}
-    c, trailing = conversation_from_record(rec, "fallback")
-    assert c.id == "7" and trailing == 1
+    c, leading, trailing = conversation_from_record(rec, "fallback")
+    assert c.id == "7" and (leading, trailing) == (0, 1)
     assert [m["role"] for m in c.messages] == ["system", "user", "assistant", "user"] + ["assistant"] * 4
     assert [m["content"] for m in c.messages] == list("Sabcdefg")
     # OpenAI-style records and text-part lists are accepted; a missing id falls back
-    c2, _ = conversation_from_record({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+    c2, _, _ = conversation_from_record({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
                                                                                 {"type": "text", "text": "y"}]},
                                                    {"role": "assistant", "content": "z"}]}, "f.jsonl:3")
     assert c2.id == "f.jsonl:3" and c2.messages[0]["content"] == "xy"
@@ -84,6 +86,14 @@ def test_roles_are_mapped_and_trailing_turns_dropped():
     ({"conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}]}, "unknown_role"),
     ({"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "x"}]}, "non_string_content"),
     ({"conversations": [{"from": "human", "value": {"a": 1}}, {"from": "gpt", "value": "x"}]}, "non_string_content"),
+    ({"conversations": [{"from": "human", "value": "a\ud800"}, {"from": "gpt", "value": "x"}]}, "unencodable_text"),
+    ({"id": "\udfff", "conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "x"}]},
+     "unencodable_text"),
+    ({"conversations": [{"from": "human", "value": "a"}], "messages": [{"role": "user", "content": "b"}]},
+     "ambiguous_record"),
+    ({"messages": [{"role": "user", "content": "a", "value": "b"}, {"role": "assistant", "content": "x"}]},
+     "ambiguous_record"),
+    ({"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "x"}]}, "no_assistant_turn"),
 ])
 def test_bad_records_raise_their_reason(record, reason):
     with pytest.raises(Skip) as e:
@@ -96,7 +106,7 @@ def test_loss_mask_covers_exactly_the_assistant_spans(tok, tiny_corpus_jsonl):
     n_checked = 0
     for line in open(tiny_corpus_jsonl):
         try:
-            c, _ = conversation_from_record(json.loads(line), "f")
+            c, _, _ = conversation_from_record(json.loads(line), "f")
         except Skip:
             continue
         e = enc.encode(c)
@@ -273,9 +283,17 @@ def test_same_records_as_jsonl_json_array_and_hf_dataset(tmp_path, tiny_tokenize
 def test_truncated_json_array_keeps_complete_records(tmp_path, tiny_tokenizer):
     text = json.dumps(GOOD, indent=1)
     cut = tmp_path / "cut.json"
-    cut.write_text(text[: text.index('"g11"') + 3])  # the last record is cut in the middle
+    kept = text[: text.index('"g11"') + 3]
+    cut.write_text(kept)  # the last record is cut in the middle
     m = read_manifest(run_prepare(prepare_config(tmp_path, tiny_tokenizer, cut)), "prepare")
     assert m["counts"]["kept"] == 11 and m["reader"]["truncated"]
+    # where the file ends (its last line and column), and which element it cut, from which line
+    r = m["reader"]
+    assert (r["truncated_at_line"], r["truncated_at_column"]) == (kept.count("\n") + 1, len(kept.splitlines()[-1]))
+    start = text[: text.index('"g11"')].count("\n")  # the element's "{" is on the line before its id
+    assert r["truncation_detail"] == (f"the file ends inside element 11, which starts at line {start}: Unterminated "
+                                      f"string starting at line {kept.count(chr(10)) + 1}, column "
+                                      f"{len(kept.splitlines()[-1]) - 2}")
 
 
 def test_unparseable_input_fails_naming_file_and_line(tmp_path, tiny_tokenizer):
@@ -308,3 +326,169 @@ def test_finished_run_is_reused_and_redone_when_inputs_change(tmp_path, tiny_tok
     shutil.rmtree(out / "validation")  # an incomplete directory is not reused
     run_prepare(cfg)
     assert (out / "validation").is_dir()
+
+
+# ------------------------------------------------------------------ issue 20: records that must not fail a batch,
+# leading assistant turns, ambiguous records, huge records
+
+BAD_RECORDS = Path(__file__).parent / "data" / "bad_chat_records.jsonl"
+
+
+def trained_text(tok, row) -> str:
+    return tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+
+
+def test_leading_assistant_turns_never_carry_loss_and_a_system_prompt_stays():
+    rec = conv("s", ("system", "S"), ("gpt", "early"), ("gpt", "earlier"), ("human", "q"), ("gpt", "a"), ("human", "t"))
+    c, leading, trailing = conversation_from_record(rec, "f")
+    assert [(m["role"], m["content"]) for m in c.messages] == [("system", "S"), ("user", "q"), ("assistant", "a")]
+    assert (leading, trailing) == (2, 1)
+    c, leading, _ = conversation_from_record(conv("n", ("gpt", "x"), ("human", "q"), ("gpt", "a")), "f")
+    assert [m["role"] for m in c.messages] == ["user", "assistant"] and leading == 1
+    # both keys set but one of them null (a dataset holding both columns) is not ambiguous
+    c, _, _ = conversation_from_record({"conversations": None, "messages": [
+        {"role": "user", "content": "q", "from": None}, {"role": "assistant", "content": "a"}]}, "f")
+    assert [m["content"] for m in c.messages] == ["q", "a"]
+
+
+def test_bad_records_file_is_counted_reported_and_the_rest_kept(tmp_path, tiny_tokenizer, tok, capsys):
+    out = run_prepare(prepare_config(tmp_path, tiny_tokenizer, BAD_RECORDS, "validation_fraction=0.0"))
+    m = read_manifest(out, "prepare")
+    counts = m["counts"]
+    expected = {"unencodable_text": 2, "ambiguous_record": 2, "malformed": 1}
+    assert counts["records_read"] == 10 and counts["skipped"] == {r: expected.get(r, 0) for r in SKIP_REASONS}
+    train = load_split(out, "train")
+    assert sorted(train["id"]) == sorted(["good-1", "good-2", "system-then-assistant", "assistant-first",
+                                          "other-key-null"])
+    assert (counts["leading_assistant_turns_dropped"], counts["trailing_messages_dropped"]) == (2, 1)
+    # the skipped records are named by file and line, with what is wrong
+    ex = m["skip_examples"]
+    assert ex["unencodable_text"][0] == f"{BAD_RECORDS}:2: message 0 is not encodable Unicode (lone surrogate " \
+                                        "U+D800 at character 7)"
+    assert ex["unencodable_text"][1].startswith(f"{BAD_RECORDS}:3: the id is not encodable")
+    assert ex["ambiguous_record"] == [f"{BAD_RECORDS}:6: the record has both 'conversations' and 'messages', with "
+                                      "different values",
+                                      f"{BAD_RECORDS}:7: message 0 has both 'from' and 'role', with different values"]
+    tab_column = BAD_RECORDS.read_text().splitlines()[8].index("\t") + 1
+    assert ex["malformed"] == [f"{BAD_RECORDS}:9: malformed JSON (Invalid control character at column {tab_column})"]
+    # the system prompt is context; the assistant turn before the first user turn is gone, not trained
+    rows = {r["id"]: r for r in train}
+    row = rows["system-then-assistant"]
+    assert "You are terse." in tok.decode(row["input_ids"]) and "LEADING" not in tok.decode(row["input_ids"])
+    assert trained_text(tok, row) == "Blue.<|im_end|>"
+    assert trained_text(tok, rows["assistant-first"]) == "Then it ended.<|im_end|>"
+    printed = capsys.readouterr().out
+    assert f"skipped unencodable_text             2  (first: {BAD_RECORDS}:2: message 0" in printed
+    assert "dropped from kept conversations: 2 assistant turns before the first user turn, 1 messages after the " \
+           "last assistant turn" in printed
+
+
+def test_a_text_the_tokenizer_rejects_fails_only_its_conversation(tok):
+    """A conversation the records check cannot see (built in code, as regeneration builds them) whose
+    text the tokenizer rejects: the chunk is retokenized one by one and only that one is skipped."""
+    good = [Conversation(f"g{i}", [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}])
+            for i in range(3)]
+    bad = Conversation("bad", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x\ud800"}])
+    enc = TemplateEncoder(tok, 256)
+    out = enc.encode_many([good[0], bad, good[1], good[2]])
+    assert isinstance(out[1], Skip) and out[1].reason == "tokenizer_error"
+    alone = enc.encode_many(good)
+    assert [o.input_ids.tolist() for o in (out[0], out[2], out[3])] == [a.input_ids.tolist() for a in alone]
+
+
+class RecordingTokenizer:
+    """The real tokenizer, recording the longest text it is asked to tokenize."""
+
+    def __init__(self, tok):
+        self._tok, self.longest = tok, 0
+
+    def __call__(self, texts, **kw):
+        self.longest = max([self.longest] + [len(t) for t in ([texts] if isinstance(texts, str) else texts)])
+        return self._tok(texts, **kw)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_a_huge_record_is_cut_before_it_is_tokenized(tmp_path, tiny_tokenizer, tok, monkeypatch):
+    import data.prepare as prepare
+    from data.template_encoder import MARGIN_TOKENS
+
+    seen = RecordingTokenizer(tok)
+    monkeypatch.setattr(prepare, "load_tokenizer", lambda target: seen)
+    huge = "word " * 1_000_000  # 5 MB: about 2M tokens if tokenized whole
+    src = write_jsonl(tmp_path / "huge.jsonl", [GOOD[0], conv("huge-answer", ("human", "q"), ("gpt", huge)),
+                                               conv("huge-prompt", ("human", huge), ("gpt", "a")), GOOD[1]])
+    out = run_prepare(prepare_config(tmp_path, tiny_tokenizer, src, "validation_fraction=0.0"))  # max_length 256
+    bound = TemplateEncoder(tok, 256).char_budget(0)
+    assert bound <= (256 + MARGIN_TOKENS) * 8 and 0 < seen.longest <= bound
+    m = read_manifest(out, "prepare")
+    assert m["counts"]["skipped"]["too_long"] == 1 and "huge.jsonl:3" in m["skip_examples"]["too_long"][0]
+    row = {r["id"]: r for r in load_split(out, "train")}["huge-answer"]
+    assert len(row["input_ids"]) == 256 and m["counts"]["truncated"] == 1
+    assert trained_text(tok, row) == tok.decode(tok(huge[:5000], add_special_tokens=False)["input_ids"][
+        : 256 - row["prompt_len"]])
+    seen.longest = 0
+    with pytest.raises(Skip, match=r"more than \d+ tokens > max_length 256"):
+        TemplateEncoder(seen, 256, "skip").encode(Conversation("h", [{"role": "user", "content": "q"},
+                                                                      {"role": "assistant", "content": huge}]))
+    assert seen.longest <= bound
+
+
+def long_conversations(tiny_corpus_jsonl) -> dict:
+    texts = [t["value"] for line in open(tiny_corpus_jsonl) for t in json.loads(line)["conversations"]
+             if isinstance(t.get("value"), str)]
+    prose = " ".join(texts)[:40_000]
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": texts[i % len(texts)][:300]} for i in range(400)]
+    return {
+        "long_answer": [{"role": "user", "content": "q"}, {"role": "assistant", "content": prose}],
+        "long_prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": prose[:3000]},
+                        {"role": "assistant", "content": prose[3000:]}],
+        "prompt_past_max_length": [{"role": "user", "content": prose}, {"role": "assistant", "content": "a"}],
+        "many_turns": many[:-1] if many[-1]["role"] == "user" else many,
+        "unicode": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "中文测试，éèê 🙂 " * 3000}],
+        "no_spaces": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x" * 30_000}],
+    }
+
+
+@pytest.fixture(scope="module")
+def whole_encodings(tok, tiny_corpus_jsonl) -> dict:
+    """Each long conversation encoded whole (a budget far above its rendering: never cut)."""
+    out = {}
+    for name, msgs in long_conversations(tiny_corpus_jsonl).items():
+        c = Conversation(name, msgs)
+        out[name] = (c, TemplateEncoder(tok, 10 ** 7).encode(c))
+    return out
+
+
+@pytest.mark.parametrize("guess", [8, 1])  # 1: every cut is too short at first, so the budget doubles
+@pytest.mark.parametrize("max_length", [64, 300])
+def test_cut_rendering_encodes_exactly_like_the_whole(tok, whole_encodings, monkeypatch, guess, max_length):
+    import data.template_encoder as te
+
+    monkeypatch.setattr(te, "CHARS_PER_TOKEN_GUESS", guess)
+    for name, (c, whole) in whole_encodings.items():
+        assert not whole.truncated and len(whole.input_ids) > max_length + te.MARGIN_TOKENS, name
+        enc = TemplateEncoder(tok, max_length)
+        assert enc.char_budget(0) < len(tok.apply_chat_template(c.messages, tokenize=False)), name  # it is cut
+        try:
+            cut = enc.encode(c)
+        except Skip as s:
+            assert s.reason == "too_long" and not whole.loss_mask[:max_length].any(), name
+            continue
+        assert cut.truncated and cut.input_ids.tolist() == whole.input_ids[:max_length].tolist(), name
+        assert cut.loss_mask.tolist() == whole.loss_mask[:max_length].tolist(), name
+        assert cut.prompt_len == whole.prompt_len, name
+
+
+def test_prompt_fits_agrees_with_counting_every_token(tok, tiny_corpus_jsonl):
+    enc = TemplateEncoder(tok, 200)
+    prose = long_conversations(tiny_corpus_jsonl)["long_answer"][1]["content"]
+    for n_chars in (10, 200, 500, 700, 900, 1200, 5000, 40_000):
+        history = [{"role": "user", "content": prose[:n_chars]}]
+        rendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        exact = len(tok(rendered, add_special_tokens=False)["input_ids"])
+        assert enc.prompt_fits(history) == (exact < 200), n_chars

@@ -11,18 +11,18 @@ from safetensors.torch import load_file, save_file
 from fault_helpers import copy_tree, export_config, train_config
 
 
-def write_store(d: Path, *, hidden: int, aux_ids, n: int = 2, nan_in: str | None = None, check_finite: bool = True,
+def write_store(d: Path, *, hidden: int, hf_indices, n: int = 2, nan_in: str | None = None, check_finite: bool = True,
                 seed: int = 0) -> Path:
     """A complete hidden-state store; `nan_in="aux"` puts a NaN in the first sequence's aux states, and
     check_finite=False writes it past the writer's own check (as a GPU capture that checks elsewhere may)."""
     from eagle3.store import HiddenStateWriter
 
     g = torch.Generator().manual_seed(seed)
-    w = HiddenStateWriter(d, hidden_size=hidden, target_hidden_size=hidden, aux_layer_ids=list(aux_ids),
-                          hf_indices=[i + 1 for i in aux_ids], dtype="float32", shard_tokens=64)
+    w = HiddenStateWriter(d, hidden_size=hidden, target_hidden_size=hidden, hf_indices=list(hf_indices),
+                          dtype="float32", shard_tokens=64)
     for i in range(n):
         T = 16
-        aux = torch.randn(T, len(aux_ids) * hidden, generator=g)
+        aux = torch.randn(T, len(hf_indices) * hidden, generator=g)
         if nan_in == "aux" and i == 0:
             aux[3, 0] = float("nan")
         w.add(f"v{i}", torch.randint(0, 512, (T,), generator=g), torch.ones(T, dtype=torch.bool), aux,
@@ -68,14 +68,19 @@ def test_corpus_of_malformed_records_is_counted_and_the_good_ones_kept(tmp_path,
         line({"id": "dict", "conversations": {"from": "human", "value": "q"}})
         line("42")
         line({"id": "nul", "conversations": [{"from": "human", "value": "a\u0000b"}, {"from": "gpt", "value": "c"}]})
+        f.write(b'{"id": "lone", "conversations": [{"from": "human", "value": "x\\udbff"}, '
+                b'{"from": "gpt", "value": "ok"}]}\n')                     # valid JSON, not encodable (issue 20)
+        line({"id": "both", **conv("both", ("human", "a"), ("gpt", "b")),
+              "messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]})
         line(GOOD[3])
     out = run_prepare(prepare_config(tmp_path, tiny_tokenizer, src, "validation_fraction=0.0"))
     m = read_manifest(out, "prepare")
     counts = m["counts"]
-    assert counts["records_read"] == 10
+    assert counts["records_read"] == 12
     skipped = sum(counts["skipped"].values())
-    assert counts["kept"] + skipped == 10 and counts["kept"] >= 4          # nothing silently lost
+    assert counts["kept"] + skipped == 12 and counts["kept"] >= 4          # nothing silently lost
     assert counts["skipped"].get("too_long", 0) >= 1                      # the huge one, counted
+    assert counts["skipped"]["unencodable_text"] == 1 and counts["skipped"]["ambiguous_record"] == 1
     import datasets
     ids = set(datasets.load_from_disk(str(out / "train"))["id"])
     # (validation_fraction 0: nothing held out) the good ones, plus the NUL-character one: valid text
@@ -98,7 +103,7 @@ def test_an_empty_validation_split_is_readable_or_refused_clearly(tmp_path, tiny
 def test_export_refuses_a_capture_from_another_target(pipeline, tmp_path):
     from eval.export import ExportError, run_export
 
-    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=32, aux_ids=pipeline["aux_ids"])}
+    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=32, hf_indices=pipeline["hf_indices"])}
     with pytest.raises(ExportError, match=r"width 32 != target hidden_size 64: captured from another target"):
         run_export(export_config(world, lone_checkpoint(pipeline, tmp_path), tmp_path / "e"))
 
@@ -114,8 +119,8 @@ def reindex(drafter_dir):
 def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
     from eval.export import ExportError, run_export
 
-    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, aux_ids=[1, 3, 99])}
-    with pytest.raises(ExportError, match=r"(?s)holds layers \[1, 3, 99\]"):
+    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, hf_indices=[2, 4, 99])}
+    with pytest.raises(ExportError, match=r"(?s)holds h = \[2, 4, 99\]"):
         run_export(export_config(world, lone_checkpoint(pipeline, tmp_path), tmp_path / "e"))
     # a checkpoint that never recorded its ids: the compatibility check still names the bad id
     ckpt = copy_tree(pipeline["final"], tmp_path / "lone2" / "final")
@@ -123,7 +128,7 @@ def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
     del cfg["eagle_config"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     reindex(ckpt)
-    with pytest.raises(ExportError, match=r"(?s)aux_layer_ids.*99"):
+    with pytest.raises(ExportError, match=r"(?s)\[99\] outside 1\.\.7"):
         run_export(export_config(world, ckpt, tmp_path / "e"))
 
 
@@ -159,7 +164,7 @@ def test_export_refuses_non_finite_weights(pipeline, tmp_path):
 def test_export_does_not_vouch_on_non_finite_validation_states(pipeline, tmp_path):
     from eval.export import ExportError, run_export
 
-    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, aux_ids=pipeline["aux_ids"], nan_in="aux",
+    world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, hf_indices=pipeline["hf_indices"], nan_in="aux",
                                            check_finite=False)}
     with pytest.raises(ExportError, match=r"sequence 'v0': the checkpoint itself gives non-finite logits"):
         run_export(export_config(world, lone_checkpoint(pipeline, tmp_path), tmp_path / "e"))
@@ -189,11 +194,11 @@ def test_eval_refuses_a_drafter_reading_other_layers_and_an_empty_split(pipeline
     from eval.evaluate import EvalInputError, evaluate_drafter
 
     model = load_drafter_dir(pipeline["final"], dtype=torch.float32)
-    store = HiddenStateStore(write_store(tmp_path / "other_ids", hidden=64, aux_ids=[0, 2, 5]))
-    with pytest.raises(EvalInputError, match=r"eagle_aux_hidden_state_layer_ids \[1, 3, 4\] != the store's"):
+    store = HiddenStateStore(write_store(tmp_path / "other_ids", hidden=64, hf_indices=[1, 3, 6]))
+    with pytest.raises(EvalInputError, match=r"drafter reads hidden states h = \[2, 4, 5\], the store holds h = \[1, 3, 6\]"):
         evaluate_drafter(model, store, progress=False)
-    w = HiddenStateWriter(tmp_path / "empty", hidden_size=64, target_hidden_size=64, aux_layer_ids=[1, 3, 4],
-                          hf_indices=[2, 4, 5], dtype="float32")
+    w = HiddenStateWriter(tmp_path / "empty", hidden_size=64, target_hidden_size=64, hf_indices=[2, 4, 5],
+                          dtype="float32")
     w.finish()
     with pytest.raises(EvalInputError, match="holds no sequences"):
         evaluate_drafter(model, HiddenStateStore(tmp_path / "empty"), progress=False)
@@ -203,4 +208,50 @@ def test_store_writer_refuses_non_finite_states_naming_the_sequence(tmp_path):
     from eagle3.store import NonFiniteHiddenStateError
 
     with pytest.raises(NonFiniteHiddenStateError, match=r"sequence 'v0': non-finite values in 'aux'"):
-        write_store(tmp_path / "s", hidden=8, aux_ids=[0, 1, 2], nan_in="aux")
+        write_store(tmp_path / "s", hidden=8, hf_indices=[2, 3, 4], nan_in="aux")
+
+
+# ------------------------------------------------------------------ regeneration: a reply that cannot be stored
+
+def test_a_server_reply_that_is_not_encodable_fails_only_its_conversation(tmp_path, tiny_tokenizer):
+    """An OpenAI-compatible server whose JSON reply spells a lone surrogate ("\\ud800" is valid JSON) for
+    one prompt: that conversation is `regen_failed` (named), the others are regenerated and kept."""
+    from data.openai_server import ChatServer, echo_generate
+    from data.prepare import run_prepare
+    from eagle3.manifest import read_manifest
+    from test_prepare import GOOD, conv, prepare_config, write_jsonl
+
+    def generate(messages, *args):
+        text, reason = echo_generate(messages, *args)
+        return ("broken \ud800 reply" if "POISON" in messages[-1]["content"] else text), reason
+
+    rows = [GOOD[0], conv("poison", ("human", "POISON please"), ("gpt", "old")), GOOD[1]]
+    with ChatServer(generate) as server:
+        cfg = prepare_config(tmp_path, tiny_tokenizer, write_jsonl(tmp_path / "c.jsonl", rows), "validation_fraction=0.0",
+                             "regenerate.backend=openai", f"regenerate.openai.base_url={server.url}",
+                             "regenerate.openai.max_retries=0")
+        m = read_manifest(run_prepare(cfg), "prepare")
+    assert m["counts"]["kept"] == 2 and m["counts"]["skipped"]["regen_failed"] == 1
+    assert m["skip_examples"]["regen_failed"][0].startswith(f"{tmp_path / 'c.jsonl'}:2: unencodable_text: the reply")
+    assert "lone surrogate U+D800" in m["skip_examples"]["regen_failed"][0]
+
+
+# ------------------------------------------------------------------ entry scripts: a mismatched drafter in one line
+
+def test_eval_entry_script_names_a_mismatched_drafter_in_one_line(pipeline, tmp_path):
+    """`eval/run.py` with a drafter reading other layers than the capture: exit status 1 and one line
+    (eagle3/errors.py), not a traceback (issue 20: train, eval and demo caught nothing of their own)."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle3 import REPO_ROOT
+
+    cap = capture_with(pipeline, tmp_path, hidden=64, hf_indices=[1, 3, 6])
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "eval" / "run.py"), f"paths.root={tmp_path / 'root'}",
+                           f"target.path={pipeline['target']}", f"drafter_dir={pipeline['final']}", f"capture_dir={cap}",
+                           f"out_dir={tmp_path / 'eval'}", "real_loop.enabled=false", "progress=false"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("eval failed: drafter and validation store do not fit:") and "[1, 3, 6]" in last
