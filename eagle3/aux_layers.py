@@ -205,3 +205,11 @@ def choose_hf_indices(listed_ids: Optional[Sequence[int]], init_where: Optional[
         choice = AuxChoice(sglang_default_hf_indices(num_layers), "sglang_default")
     validate_hf_indices(choice.hf_indices, num_layers, f"aux hidden-state indices (from {choice.source})")
     return choice
+
+
+def reading_mismatch(drafter_h: Optional[Sequence[int]], store_h: Sequence[int]) -> Optional[str]:
+    """The one agreement check between the states a drafter reads and those a store holds (None: they agree,
+    or the drafter names none). Every stage that pairs a drafter with a store asks this."""
+    if drafter_h is None or [int(i) for i in drafter_h] == [int(i) for i in store_h]:
+        return None
+    return f"drafter reads hidden states h = {list(drafter_h)}, the store holds h = {list(store_h)}"

@@ -311,9 +311,9 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
     except aux_layers.AuxLayerError as e:
         out.append(Mismatch("aux_hf_indices", str(e), f"use 3 distinct indices in 1..{L - 1} (SGLang's default for "
                             f"{L} layers: h = {aux_layers.sglang_default_hf_indices(L)})"))
-    if hf_indices_captured is not None and [int(i) for i in hf_indices_captured] != [int(i) for i in h]:
-        out.append(Mismatch("aux_hf_indices", f"drafter reads hidden states h = {list(h)}, the store holds h = "
-                            f"{list(hf_indices_captured)}", "recapture with the drafter's layers, or check "
+    differ = hf_indices_captured is not None and aux_layers.reading_mismatch(h, hf_indices_captured)
+    if differ:
+        out.append(Mismatch("aux_hf_indices", differ, "recapture with the drafter's layers, or check "
                             "init.aux_id_rule (how its config's ids are read)"))
     tmax = int(t.get("max_position_embeddings") or 0)
     if c.max_position_embeddings < tmax:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from eagle3 import aux_layers
 from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.store import HiddenStateStore, StoreError
@@ -132,9 +133,9 @@ def check_store_fits_drafter(store: HiddenStateStore, drafter, role: str) -> Non
                         f"drafter's fc input {drafter.fc.in_features}")
     if store.hidden_size != cfg.hidden_size:
         problems.append(f"`last` width (target hidden) {store.hidden_size} != drafter hidden_size {cfg.hidden_size}")
-    if cfg.aux_hf_indices is not None and list(cfg.aux_hf_indices) != store.hf_indices:
-        problems.append(f"the store holds hidden states h = {store.hf_indices}, the drafter reads "
-                        f"h = {list(cfg.aux_hf_indices)}")
+    differ = aux_layers.reading_mismatch(cfg.aux_hf_indices, store.hf_indices)
+    if differ:
+        problems.append(differ)
     if problems:
         raise TrainInputError(f"{role} store {store.dir} does not fit the drafter: " + "; ".join(problems)
                               + ". Recapture with the drafter's settings or pick the matching init.")
