@@ -84,6 +84,29 @@ def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
         parse_serve_command(cmd.replace(" --no-enable-chunked-prefill", ""))
 
 
+def test_connector_file_reader_waits_for_the_lock_and_names_each_fault(tmp_path):
+    path, toks = tmp_path / "req-1.safetensors", torch.tensor([5, 6, 7])
+    states = torch.randn(3, 4, 8)
+    fd = vllm_protocol.lock_for_write(path)  # the engine holds the lock until the file is complete
+    with pytest.raises(vllm_protocol.ConnectorFileError, match="still holds the write lock") as e:
+        vllm_protocol.read_states_file(path, toks, 4, 8, lock_timeout_s=0.2)
+    assert e.value.retryable
+    vllm_protocol.write_states_file(path, states, toks, lock_fd=fd)  # releases it
+    assert torch.equal(vllm_protocol.read_states_file(path, toks, 4, 8), states)
+    for toks_, n, H, message, retryable in ((torch.tensor([5, 6, 8]), 4, 8, "not this sequence's", True),
+                                            (toks, 3, 8, "started with other layer ids", False)):
+        with pytest.raises(vllm_protocol.ConnectorFileError, match=message) as e:
+            vllm_protocol.read_states_file(path, toks_, n, H)
+        assert e.value.retryable == retryable
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(vllm_protocol.ConnectorFileError, match="unreadable"):
+        vllm_protocol.read_states_file(path, toks, 4, 8)
+    vllm_protocol.remove_states_file(path)
+    assert vllm_protocol.leftover_files(tmp_path) == []
+    with pytest.raises(vllm_protocol.ConnectorFileError, match="missing"):
+        vllm_protocol.read_states_file(path, toks, 4, 8)
+
+
 def test_server_from_the_printed_command_writes_the_hf_store(tmp_path, targets, prepared, hf_store):  # noqa: F811
     cfg = vllm_config(tmp_path, targets, prepared)
     cmd = serve_command_of(cfg)
