@@ -17,7 +17,6 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from eagle3 import aux_layers
 from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
                                replay_sequence)
 from eagle3.cost_model import accept_length_from_acceptance
@@ -51,9 +50,9 @@ def drafter_store_problems(model, store) -> list[str]:
     if model.fc.in_features != aux_width:
         out.append(f"drafter fc reads {model.fc.in_features} features, the store's aux states are {aux_width} wide "
                    f"({len(store.hf_indices)} layers x target hidden)")
-    differ = aux_layers.reading_mismatch(cfg.aux_hf_indices, store.hf_indices)
-    if differ:
-        out.append(f"{differ}: SGLang would feed it other states than it sees here")
+    if cfg.aux_hf_indices is not None and list(cfg.aux_hf_indices) != list(store.hf_indices):
+        out.append(f"drafter reads hidden states h = {list(cfg.aux_hf_indices)}, the store holds h = "
+                   f"{list(store.hf_indices)}: SGLang would feed it other states than it sees here")
     if len(store):
         s = store[0]  # token ids beyond the drafter's vocab: the store comes from another tokenizer/target
         top = max(int(s["input_ids"].max()), int(s["target_argmax"].max())) if s["input_ids"].numel() else -1
@@ -145,7 +144,7 @@ def teacher_forced_accuracy(model, store, ttt_length: int = 7, max_sequences: Op
     return acc.to_dict()
 
 
-def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: NgramSettings,
+def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Optional[NgramSettings],
                 hits: Optional[torch.Tensor], method: str) -> None:
     ids, mask, argmax = s["input_ids"].long(), s["loss_mask"].bool(), s["target_argmax"].long()
     seq = None
@@ -165,16 +164,26 @@ def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Ng
                     seq = SequenceDrafter(model, s["aux"], ids, max(kk.topk for kk in knobs))
                 res["drafter"] += replay_sequence(ids, mask, argmax, lambda q: build_sglang_tree(seq.at(q), k),
                                                   k.max_depth)
-        nd = k.num_draft_tokens - 1
-        look = PromptLookup(ids, nd, ngram.max_ngram, ngram.min_ngram, ngram.prefer)
-        res["ngram"] += replay_sequence(ids, mask, argmax, look.tree, nd)
+        if ngram is not None:
+            nd = k.num_draft_tokens - 1
+            look = PromptLookup(ids, nd, ngram.max_ngram, ngram.min_ngram, ngram.prefer)
+            res["ngram"] += replay_sequence(ids, mask, argmax, look.tree, nd)
+
+
+def _stats(k: SpecKnobs, ngram: Optional[NgramSettings]) -> dict[str, AcceptStats]:
+    """Empty replay counters of one knob setting: the drafter's, and n-gram's unless ngram is None."""
+    out = {"drafter": AcceptStats(k.max_depth)}
+    if ngram is not None:
+        out["ngram"] = AcceptStats(k.num_draft_tokens - 1)
+    return out
 
 
 def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS,
-                           max_sequences: Optional[int] = None, ngram: NgramSettings = NgramSettings(),
+                           max_sequences: Optional[int] = None, ngram: Optional[NgramSettings] = NgramSettings(),
                            progress: bool = True, method: str = "auto") -> dict[str, dict[str, AcceptStats]]:
     """Replay every knob setting over the store with the drafter (`model`; None: n-gram only) and with
-    n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens). -> {label: {name: stats}}.
+    n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens; ngram=None: the drafter only).
+    -> {label: {name: stats}}.
 
     method="auto": chains (topk=1) are read off one teacher-forced TTT unroll, trees of all positions
     are drafted in one batched pass (eval/tree_batch.py). That is exact, not an approximation: in a chain, draft j+1
@@ -185,7 +194,7 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     every visited cycle step by step (eval/drafter_session.py; the reference the tests compare against)."""
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
-    out = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)} for k in knobs}
+    out = {k.label: _stats(k, ngram) for k in knobs}
     K = max([k.max_depth for k in knobs if k.topk == 1], default=0) if method == "auto" and model is not None else 0
     idx = _sequences(store, max_sequences)
     for i in _progress(idx, "accept-length replay", len(idx), progress):
@@ -198,10 +207,12 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
 
 
 def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS, ttt_length: int = 7,
-                     max_sequences: Optional[int] = None, ngram: NgramSettings = NgramSettings(),
+                     max_sequences: Optional[int] = None, ngram: Optional[NgramSettings] = NgramSettings(),
                      accuracy: bool = True, progress: bool = True) -> dict:
     """The drafter's offline evaluation on `store` (a HiddenStateStore, validation split).
-    Raises EvalInputError for an empty store or a drafter that does not fit the store."""
+    Raises EvalInputError for an empty store or a drafter that does not fit the store. ngram=None leaves
+    the n-gram baseline out (it does not depend on the drafter: a caller scoring many drafters on one
+    store replays it once)."""
     if len(store) == 0:
         raise EvalInputError(f"{getattr(store, 'dir', 'store')}: the validation store holds no sequences "
                              f"(empty split?); nothing to evaluate")
@@ -217,8 +228,7 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
         K = max([ttt_length if accuracy else 0] + [k.max_depth for k in knobs if k.topk == 1])
         acc = AccuracyCounter(ttt_length)
         cover_hit = cover_n = 0
-        sims = {k.label: {"drafter": AcceptStats(k.max_depth), "ngram": AcceptStats(k.num_draft_tokens - 1)}
-                for k in knobs}
+        sims = {k.label: _stats(k, ngram) for k in knobs}
         for i in _progress(idx, "eval", len(idx), progress):
             s = store[i]
             if s["input_ids"].numel() < 2:

@@ -26,6 +26,8 @@ CASES = {
     "export": ("eval/run_export.py", [], "export failed:", "no config.json"),
     "check": ("train/run_check.py", [], "check failed:", "no config.json"),
     "demo": ("eval/run_demo.py", ["train_steps=0"], "demo failed:", "train_steps=0: must be >= 1"),
+    "study": ("eval/run_study.py", ["seeds=[0]"], "study failed:", "at least two distinct seeds"),
+    "study_no_records": ("eval/run_study.py", ["report_only=true"], "study failed:", "no run records under"),
 }
 
 

@@ -117,5 +117,7 @@ class StudyConfig:
             raise ConfigError(f"confidence={self.confidence}: expected a level in [0.5, 1)")
         if self.primary_knob not in [f"{k.num_steps}/{k.topk}/{k.num_draft_tokens}" for k in self.curve.knobs]:
             raise ConfigError(f"primary_knob={self.primary_knob!r} is not one of curve.knobs")
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
         if self.eval_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"eval_device={self.eval_device!r}: expected auto, cpu or cuda")

@@ -1,0 +1,322 @@
+"""The study's report from its run records (`<out_dir>/runs/*.json`, written by eval/study.py):
+curves with their spread over seeds, a table mean +- std per training budget, the derived answers,
+what fine-tuning forgets, the knob search and a recommendation. Plots: matplotlib, Agg backend."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from eagle3.accept_sim import SpecKnobs
+from eagle3.conf import ConfigError
+from eagle3.cost_model import PRESETS, predict
+from eagle3.manifest import atomic_write_bytes, atomic_write_json
+from eval.study_stats import mean_std, token_saving, welch_interval
+
+ZERO_SHOT = "k2_zero_shot"
+NGRAM, NGRAM_FILE = "ngram", "ngram.json"   # n-gram prompt lookup over the knob grid (no drafter)
+LABELS = {"scratch": "from scratch", "aqmedai_k2": "from the K2 drafter", ZERO_SHOT: "K2 drafter, zero-shot",
+          NGRAM: "n-gram prompt lookup (no drafter)"}
+
+
+def load_records(runs_dir: Path) -> list[dict]:
+    recs = []
+    for p in sorted(Path(runs_dir).glob("*.json")):
+        try:
+            recs.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"[study] skipping unreadable run record {p}: {e}", flush=True)
+    return recs
+
+
+def metric_names(records: list[dict]) -> list[tuple[str, str]]:
+    """[(key, title)]: accuracy at step 0, mean accuracy, then the simulated accept length per knob."""
+    labels = next((list(p["tau"]) for r in records for p in r["points"]), [])
+    ttt = next((len(p["acc"]) for r in records for p in r["points"] if p["acc"]), 0)
+    return [("acc_step0", "acc step 0"), ("acc_mean", f"acc mean ({ttt} steps)")] + \
+        [(f"tau {label}", f"sim tau {label}") for label in labels]
+
+
+def value(metrics: dict, key: str) -> float:
+    return metrics["tau"].get(key[4:], float("nan")) if key.startswith("tau ") else metrics.get(key, float("nan"))
+
+
+def by_init(records: list[dict], inits: list[str]) -> dict[str, list[dict]]:
+    """{init: runs sorted by seed}: the zero-shot K2 drafter first, then `inits` in their order."""
+    order = [ZERO_SHOT] + list(inits)
+    out: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: (order.index(r["init"]) if r["init"] in order else len(order),
+                                            r["seed"] if r["seed"] is not None else -1)):
+        out.setdefault(r["init"], []).append(r)
+    return out
+
+
+def series(runs: list[dict], key: str) -> list[list[tuple[float, float]]]:
+    """One learning curve [(tokens, value)] per run."""
+    return [[(float(p["tokens"]), value(p, key)) for p in r["points"]] for r in runs]
+
+
+def _pm(xs: list[float], nd: int = 3) -> str:
+    m, s = mean_std(xs)
+    return "-" if m != m else f"{m:.{nd}f} ± {s:.{nd}f}"
+
+
+def budget_table(groups: dict[str, list[dict]], inits: list[str], metrics: list[tuple[str, str]]) -> str:
+    """Markdown: one row per budget (point index), mean ± std over seeds of each metric per init."""
+    n = min((len(r["points"]) for i in inits for r in groups.get(i, [])), default=0)
+    cols = ["step", "tokens (mean)"] + [f"{title}: {LABELS.get(i, i)}" for _, title in metrics for i in inits]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for b in range(n):
+        pts = {i: [r["points"][b] for r in groups.get(i, [])] for i in inits}
+        toks = [p["tokens"] for i in inits for p in pts[i]]
+        step = next(p["step"] for i in inits for p in pts[i])
+        cells = [str(step), f"{sum(toks) / len(toks):,.0f}"]
+        cells += [_pm([value(p, k) for p in pts[i]]) for k, _ in metrics for i in inits]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_curves(groups: dict[str, list[dict]], inits: list[str], metrics: list[tuple[str, str]], out_dir: Path,
+                zero_shot: Optional[dict]) -> dict[str, str]:
+    """One PNG per metric: mean over seeds against training tokens, shaded ± one std, thin lines per
+    seed; the zero-shot K2 drafter as a dashed level."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {}
+    for key, title in metrics:
+        fig, ax = plt.subplots(figsize=(5.6, 3.5))
+        for i, color in zip(inits, ("tab:blue", "tab:orange", "tab:green")):
+            curves = series(groups.get(i, []), key)
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            xs = [sum(c[b][0] for c in curves) / len(curves) for b in range(n)]
+            stats = [mean_std([c[b][1] for c in curves]) for b in range(n)]
+            for c in curves:
+                ax.plot([p[0] for p in c], [p[1] for p in c], color=color, alpha=0.25, lw=0.8)
+            ax.plot(xs, [m for m, _ in stats], "-o", ms=3, color=color, label=f"{LABELS.get(i, i)} (n={len(curves)})")
+            ax.fill_between(xs, [m - s for m, s in stats], [m + s for m, s in stats], color=color, alpha=0.2)
+        if zero_shot is not None:
+            ax.axhline(value(zero_shot, key), color="gray", ls="--", lw=1, label=LABELS[ZERO_SHOT])
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(title)
+        ax.set_title(f"{title} on held-out K2.5 traffic (mean ± std over seeds)", fontsize=9)
+        ax.legend(fontsize=7)
+        name = "curve_" + key.replace(" ", "_").replace("/", "-") + ".png"
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        atomic_write_bytes(out_dir / name, buf.getvalue())
+        files[key] = name
+    return files
+
+
+def derived(groups: dict[str, list[dict]], metrics: list[tuple[str, str]], primary: str, confidence: float) -> dict:
+    """The token saving of the K2 start on the primary accept length, and the final difference
+    (K2 start - scratch) of every metric with its Welch interval."""
+    fast, slow = groups.get("aqmedai_k2", []), groups.get("scratch", [])
+    out = {"primary": primary, "saving": token_saving(series(fast, f"tau {primary}"), series(slow, f"tau {primary}")),
+           "final_difference": {}}
+    for key, title in metrics:
+        a = [value(r["points"][-1], key) for r in fast]
+        b = [value(r["points"][-1], key) for r in slow]
+        out["final_difference"][title] = welch_interval(a, b, confidence)
+    return out
+
+
+def forgetting(groups: dict[str, list[dict]], primary: str) -> list[dict]:
+    """Per drafter group: accuracy at step 0 and primary accept length on K2.5 and on
+    K2 traffic."""
+    rows = []
+    for init, runs in groups.items():
+        k25 = [r["points"][-1] for r in runs]
+        k2 = [r["final"]["k2_traffic"] for r in runs]
+        rows.append({"drafter": LABELS.get(init, init), "runs": len(runs),
+                     "k25_acc0": [p["acc_step0"] for p in k25], "k2_acc0": [p["acc_step0"] for p in k2],
+                     "k25_tau": [value(p, f"tau {primary}") for p in k25], "k2_tau": [value(p, f"tau {primary}") for p in k2]})
+    return rows
+
+
+def knob_table(taus: dict[str, float], knobs: list[SpecKnobs], lat) -> dict[str, dict]:
+    """{label: {knobs, accept_length, speedup, spec_tok_s, break_even_accept_length}} from the cost model."""
+    out = {}
+    for k in knobs:
+        tau = taus.get(k.label, float("nan"))
+        if tau == tau and tau >= 1.0:
+            p = predict(tau, lat, k.num_steps, k.num_draft_tokens)
+            out[k.label] = {"num_steps": k.num_steps, "topk": k.topk, "num_draft_tokens": k.num_draft_tokens,
+                            "accept_length": tau, "speedup": p.speedup, "spec_tok_s": p.spec_tok_s,
+                            "break_even_accept_length": p.break_even_accept_length, "cycle_ms": p.cycle_ms}
+    return out
+
+
+def ngram_group(out_dir: Path) -> dict[str, list[dict]]:
+    """The n-gram baseline's grid as a one-run group for knob_search ({} when it was not measured)."""
+    try:
+        rec = json.loads((Path(out_dir) / NGRAM_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {NGRAM: [{"final": {"grid_tau": rec["grid_tau"]}}]}
+
+
+def knob_search(groups: dict[str, list[dict]], lat, flat=None) -> dict[str, dict]:
+    """Per drafter group: the grid's mean simulated accept length per setting priced by the cost model,
+    the best setting by mean predicted speed-up, and that setting's speed-up per seed. `flat`: other
+    latencies (the account's cycle as given, the same for every setting) whose best setting is reported
+    beside, so the effect of the assumed per-step costs shows."""
+    out = {}
+    for init, runs in groups.items():
+        grids = [r["final"]["grid_tau"] for r in runs]
+        labels = list(grids[0]) if grids else []
+        knobs = [SpecKnobs(*map(int, label.split("/"))) for label in labels]
+        mean_tau = {label: mean_std([g[label] for g in grids])[0] for label in labels}
+        table = knob_table(mean_tau, knobs, lat)
+        if not table:
+            continue
+        best = max(table.values(), key=lambda e: e["speedup"])
+        label = f"{best['num_steps']}/{best['topk']}/{best['num_draft_tokens']}"
+        per_seed = [knob_table({label: g[label]}, [k for k in knobs if k.label == label], lat).get(label, {})
+                    .get("speedup", float("nan")) for g in grids]
+        chains = [e for e in table.values() if e["topk"] == 1]
+        out[init] = {"table": table, "best": {**best, "label": label, "speedup_per_seed": per_seed},
+                     "best_chain": max(chains, key=lambda e: e["speedup"]) if chains else None}
+        if flat is not None:
+            f = max(knob_table(mean_tau, knobs, flat).values(), key=lambda e: e["speedup"])
+            out[init]["best_flat"] = {**f, "label": f"{f['num_steps']}/{f['topk']}/{f['num_draft_tokens']}"}
+    return out
+
+
+def recommendation(knobs: dict[str, dict], cfg) -> dict:
+    """The drafter and setting with the highest mean predicted speed-up, and the SGLang command for the
+    real models (paths from the export / target configs)."""
+    from eagle3.conf import compose
+    from eval.export_serve import ServeChoice, sglang_command, shell, tensor_parallel
+
+    trained = {k: v for k, v in knobs.items() if k not in (ZERO_SHOT, NGRAM)}
+    if not trained:
+        return {}
+    init = max(trained, key=lambda i: trained[i]["best"]["speedup"])
+    best = trained[init]["best"]
+    exp = compose("export", [f"paths.root={cfg.paths.root}", "target=kimi_k25", f"+init={init}"])
+    target = SimpleNamespace(path=exp.target.path, layout=exp.target.layout, trust_remote_code=exp.target.trust_remote_code)
+    draft_dir = exp.out_dir
+    choice = ServeChoice(best["num_steps"], best["topk"], best["num_draft_tokens"], "study knob search",
+                         best["accept_length"], best["speedup"])
+    cmd = sglang_command(target, draft_dir, choice, tensor_parallel(target, None), [])
+    ngram = (knobs.get(NGRAM) or {}).get("best")
+    return {"init": init, "setting": best, "wins": best["speedup"] > 1.0, "command": shell(cmd),
+            "ngram_beats_it": bool(ngram and ngram["speedup"] > best["speedup"])}
+
+
+def write_report(cfg, records: list[dict], out_dir: Path, stage_seconds=None, total_seconds=None) -> Path:
+    from eval.stage import latencies_from_config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not records:
+        raise ConfigError(f"no run records under {out_dir / 'runs'}: run the study first (report_only=false)")
+    records = [r for r in records if r["init"] == ZERO_SHOT or (r["init"] in cfg.inits and r["seed"] in cfg.seeds)]
+    groups = by_init(records, cfg.inits)
+    zs = groups.get(ZERO_SHOT, [None])[0]
+    inits = [i for i in cfg.inits if i in groups]
+    metrics = metric_names(records)
+    lat = latencies_from_config(cfg.cost)
+    result = {"derived": derived(groups, metrics, cfg.primary_knob, cfg.confidence),
+              "forgetting": forgetting(groups, cfg.primary_knob), "knobs": knob_search({**groups, **ngram_group(out_dir)}, lat, PRESETS.get(cfg.cost.preset)),
+              "latencies": {k: getattr(lat, k) for k in ("baseline_token_ms", "verify_ms", "verify_ms_per_token",
+                                                          "draft_step_ms", "draft_extend_ms", "source")},
+              "plots": plot_curves(groups, inits, metrics, out_dir, zs["points"][0] if zs else None),
+              "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "stage_seconds": stage_seconds, "total_seconds": total_seconds,
+              "seeds": {i: [r["seed"] for r in groups[i]] for i in inits}}
+    result["recommendation"] = recommendation(result["knobs"], cfg)
+    result["table"] = budget_table(groups, inits, metrics)
+    atomic_write_json(out_dir / "report.json", result)
+    text = render(result, groups, cfg)
+    atomic_write_bytes(out_dir / "report.md", text.encode())
+    print("\n" + text, flush=True)
+    return out_dir
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}" + (f", {gpu}" if gpu else ", CPU only")
+
+
+def _ci(d: dict, nd: int = 3) -> str:
+    if d["low"] != d["low"]:
+        return f"{d['diff']:+.{nd}f} (no interval: fewer than 2 runs a side)"
+    return f"{d['diff']:+.{nd}f} [{d['low']:+.{nd}f}, {d['high']:+.{nd}f}]"
+
+
+def render(result: dict, groups: dict[str, list[dict]], cfg) -> str:
+    d = result["derived"]
+    sav = d["saving"]
+    lat = result["latencies"]
+    lines = [f"# Study: is the K2 drafter a better start for K2.5 than scratch? ({result['date']}, {result['machine']})",
+             "", f"Seeds per init: {result['seeds']}; x = real training tokens seen; spread = sample std over seeds.", "",
+             "## Learning curves (held-out K2.5 traffic)", "", result["table"], ""]
+    lines += [f"![{k}]({v})" for k, v in result["plots"].items()] + [""]
+    saving = ("not measurable" if not sav["ratios"] else
+              f"{sav['mean']:.2f}x ± {sav['std']:.2f} (range {sav['min']:.2f}x-{sav['max']:.2f}x over "
+              f"{len(sav['ratios'])} of {sav['pairs']} seed pairs)")
+    lines += ["## Derived answers", "",
+              f"- Token saving of the K2 start (sim tau {d['primary']}): scratch's final tokens / the tokens the K2 start "
+              f"needs to reach scratch's final value: **{saving}**; pairs never reached: {sav['not_reached']}, "
+              f"reached at 0 tokens: {sav['at_start']}.",
+              f"- Final difference, K2 start - scratch, with its {100 * cfg.confidence:.0f}% Welch interval:"]
+    lines += [f"  - {title}: {_ci(ci)}" for title, ci in d["final_difference"].items()]
+    lines += ["", "## What fine-tuning forgets (final drafters; K2 traffic = the K2 side's held-out store, served with "
+              "k2-mini)", "", f"| drafter | runs | acc step 0 on K2.5 | acc step 0 on K2 | sim tau {d['primary']} on K2.5 | "
+              f"sim tau {d['primary']} on K2 |", "|---|---|---|---|---|---|"]
+    for r in result["forgetting"]:
+        lines.append(f"| {r['drafter']} | {r['runs']} | {_pm(r['k25_acc0'])} | {_pm(r['k2_acc0'])} | {_pm(r['k25_tau'])} | "
+                     f"{_pm(r['k2_tau'])} |")
+    lines += ["", f"## Knobs (cost model: baseline {1000 / lat['baseline_token_ms']:.0f} tok/s, verify {lat['verify_ms']:.1f} ms "
+              f"+ {lat['verify_ms_per_token']:.2f} ms per verified token, draft step {lat['draft_step_ms']:.2f} ms; "
+              f"{lat['source']})", "",
+              "| drafter | best setting | sim tau | predicted speed-up (mean ± std over seeds) | break-even tau | best chain "
+              "| best at a flat cycle (the preset as given) |", "|---|---|---|---|---|---|---|"]
+    for init, k in result["knobs"].items():
+        b, c, f = k["best"], k["best_chain"], k.get("best_flat")
+        chain = "-" if c is None else (f"{c['num_steps']}/1/{c['num_draft_tokens']}: tau {c['accept_length']:.2f}, "
+                                       f"{c['speedup']:.2f}x")
+        flat = "-" if f is None else f"{f['label']}: tau {f['accept_length']:.2f}, {f['speedup']:.2f}x"
+        lines.append(f"| {LABELS.get(init, init)} | {b['label']} | {b['accept_length']:.3f} | {_pm(b['speedup_per_seed'], 2)}x | "
+                     f"{b['break_even_accept_length']:.2f} | {chain} | {flat} |")
+    rec = result["recommendation"]
+    if rec:
+        s = rec["setting"]
+        verdict = ("predicted to beat plain decoding" if rec["wins"] else
+                   "still predicted SLOWER than plain decoding: keep speculation off on this server")
+        lines += ["", f"**Recommendation:** {LABELS.get(rec['init'], rec['init'])}, {s['label']} "
+                  f"(steps/topk/draft tokens): sim tau {s['accept_length']:.2f}, predicted {s['speedup']:.2f}x "
+                  f"({verdict}; break-even tau {s['break_even_accept_length']:.2f})."
+                  + (" n-gram prompt lookup is predicted faster still on these targets (table above)."
+                     if rec.get("ngram_beats_it") else ""), "", "```bash", rec["command"], "```"]
+    real = [(r["name"], r["final"].get("real") or {}) for runs in groups.values() for r in runs]
+    real = [(n, x) for n, x in real if x and "skipped" not in x]
+    if real:
+        labels = list(real[0][1])
+        lines += ["", "## Real speculative loop (final drafters, k25-mini)", "",
+                  "| drafter | " + " | ".join(f"real / sim tau {label}" for label in labels) + " | lossless |",
+                  "|---|" + "---|" * (len(labels) + 1)]
+        for n, x in real:
+            cells = [f"{x[label]['real_accept_length']:.3f} / {x[label]['sim_accept_length']:.3f}" for label in labels]
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {all(x[label]['lossless'] for label in labels)} |")
+    if result.get("stage_seconds"):
+        lines += ["", "| step | seconds |", "|---|---|"]
+        lines += [f"| {label} | {sec:.1f} |" for label, sec, _ in result["stage_seconds"]]
+        lines.append(f"| total | {result['total_seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
