@@ -27,10 +27,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3 import aux_layers
+from eagle3 import aux_layers, vocab_map
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes
-from eagle3.model import DrafterConfig, Eagle3Drafter, vocab_mapping_problems
+from eagle3.model import DrafterConfig, Eagle3Drafter
 
 log = logging.getLogger(__name__)
 CONFIG = "config.json"
@@ -207,7 +207,7 @@ def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tenso
         tensors["t2d"] = t2d
         report["t2d"] = "absent: rebuilt from d2t"
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
-    mapping = vocab_mapping_problems(tensors["d2t"], tensors["t2d"], cfg.draft_vocab_size, cfg.vocab_size)
+    mapping = vocab_map.mapping_problems(tensors["d2t"], tensors["t2d"], cfg.draft_vocab_size, cfg.vocab_size)
     if mapping:
         raise DrafterLoadError(f"drafter {drafter_dir}: bad vocab mapping: " + "; ".join(mapping))
     if embed_tokens is not None:
@@ -326,12 +326,11 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
         if mine is not None and theirs is not None and mine != theirs:
             out.append(Mismatch(key, f"drafter {mine} != target {theirs}", f"set {key} to {theirs}", fatal=False))
     if d2t is not None and t2d is not None:
-        for p in vocab_mapping_problems(d2t, t2d, c.draft_vocab_size, c.vocab_size):
+        for p in vocab_map.mapping_problems(d2t, t2d, c.draft_vocab_size, c.vocab_size):
             out.append(Mismatch("d2t/t2d", p, "rebuild the mapping with the vocab stage (and remap lm_head)"))
-        ids_t = d2t.long() + torch.arange(d2t.numel())
-        if d2t.numel() > 1 and not bool((ids_t[1:] > ids_t[:-1]).all()):
-            out.append(Mismatch("d2t", "draft ids are not sorted by target id (loaders using t2d read logits in id "
-                                "order)", "rebuild the mapping with the vocab stage", fatal=False))
+        for p in vocab_map.order_problems(d2t):
+            out.append(Mismatch("d2t", p + " (loaders using t2d read logits in id order)",
+                                "rebuild the mapping with the vocab stage", fatal=False))
     return out
 
 

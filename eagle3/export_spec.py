@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from eagle3 import aux_layers, drafter_keys
+from eagle3 import aux_layers, drafter_keys, vocab_map
 
 FORMATS = ("sglang", "speculators")
 FORMAT_CHOICES = FORMATS + ("both",)
@@ -170,26 +170,17 @@ def nonfinite_problems(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int
                            ) -> list[str]:
-    """`d2t` (int64 offsets, [draft_V]) and `t2d` (bool, [V]) must describe the same draft vocab
-    (the model's check: target ids `arange(draft_V) + d2t` distinct, inside [0, V), `t2d` true exactly
-    there), stored with the dtypes servers expect, and sorted by target id: loaders that use `t2d`
-    (`logits[..., t2d]`) read the draft vocab in id order, so an unsorted d2t means shuffled logits."""
-    from eagle3.model import vocab_mapping_problems as mapping_problems
-
+    """`d2t` (int64 offsets, [draft_V]) and `t2d` (bool, [V]) must describe the same draft vocab (the
+    project's one check, `vocab_map.mapping_problems`), stored with the dtypes servers expect, and sorted
+    by target id (`vocab_map.order_problems`): loaders that use `t2d` (`logits[..., t2d]`) read the draft
+    vocab in id order, so an unsorted d2t means shuffled logits."""
     problems = []
     if d2t.dtype != torch.int64:
         problems.append(f"d2t has dtype {_dtype_name(d2t.dtype)}, expected int64 offsets")
     if t2d.dtype != torch.bool:
         problems.append(f"t2d has dtype {_dtype_name(t2d.dtype)}, expected bool")
-    if d2t.dim() != 1 or t2d.dim() != 1:
-        return problems + [f"d2t and t2d must be 1-D, got shapes {list(d2t.shape)} and {list(t2d.shape)}"]
-    core = mapping_problems(d2t, t2d, draft_vocab_size, vocab_size)
-    problems += core
-    if not core and d2t.numel() > 1:
-        target_ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.long()
-        if not bool((target_ids[1:] > target_ids[:-1]).all()):
-            problems.append("d2t target ids are not increasing: the draft vocab must be sorted by target id")
-    return problems
+    core = vocab_map.mapping_problems(d2t, t2d, draft_vocab_size, vocab_size)
+    return problems + core + ([] if core else vocab_map.order_problems(d2t))
 
 
 # ---------------------------------------------------------------- configs

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3 import aux_layers, drafter_keys
+from eagle3 import aux_layers, drafter_keys, vocab_map
 from eagle3.ttt import KVCache, TTTCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -333,30 +333,9 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install d2t offsets [draft_V] and the t2d mask [V], after checking they agree."""
-        problems = vocab_mapping_problems(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        problems = vocab_map.mapping_problems(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         if problems:
             raise ValueError("bad vocab mapping: " + "; ".join(problems))
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
 
-
-def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> list[str]:
-    """Why (d2t, t2d) is not a valid mapping for these sizes; [] if it is."""
-    out = []
-    if tuple(d2t.shape) != (draft_vocab_size,):
-        out.append(f"d2t has shape {tuple(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)")
-    if tuple(t2d.shape) != (vocab_size,):
-        out.append(f"t2d has shape {tuple(t2d.shape)}, expected [{vocab_size}] (vocab_size)")
-    if out:
-        return out
-    target_ids = d2t.to(torch.int64) + torch.arange(draft_vocab_size, device=d2t.device)
-    if target_ids.min() < 0 or target_ids.max() >= vocab_size:
-        return [f"d2t maps draft ids to target ids outside [0, {vocab_size})"]
-    if target_ids.unique().numel() != draft_vocab_size:
-        out.append("d2t maps two draft ids to the same target id")
-    t2d_b = t2d.to(torch.bool)
-    if int(t2d_b.sum()) != draft_vocab_size:
-        out.append(f"t2d marks {int(t2d_b.sum())} target ids, expected {draft_vocab_size}")
-    elif not bool(t2d_b[target_ids.to(t2d.device)].all()):
-        out.append("t2d does not mark the target ids that d2t maps to")
-    return out

@@ -52,8 +52,8 @@ def d2t_from_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
-    """Inverse of d2t_from_ids: target id of every draft id, d2t + arange(N). int64 [N]."""
-    return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long)
+    """Inverse of d2t_from_ids: target id of every draft id, d2t + arange(N). int64 [N], on d2t's device."""
+    return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device)
 
 
 def t2d_from_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -65,28 +65,68 @@ def t2d_from_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return t2d
 
 
+def mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor | None = None, draft_vocab_size: int | None = None,
+                     vocab_size: int | None = None) -> list[str]:
+    """Why d2t (offsets [N]) and t2d (mask [V]) do not describe one draft vocabulary; [] if they do.
+
+    The project's one check of what a mapping means, whoever stores or loads it (vocab stage, drafter,
+    loader, compatibility check, export): both 1-D, of the sizes given; the target ids d2t + arange(N)
+    inside [0, V) (V = t2d's length, else `vocab_size`) and distinct; t2d, when given, true exactly at
+    them. Values only: a uint8 t2d or an int32 d2t holding the same ids passes. What a use adds on top
+    is its own small check: `validate_mapping` (integer / bool storage, id order) and the export's
+    dtypes (eagle3/export_spec.py) call `order_problems` for the order."""
+    out = []
+    if d2t.dim() != 1:
+        out.append(f"d2t must be 1-D [draft_vocab_size], got shape {list(d2t.shape)}")
+    elif draft_vocab_size is not None and d2t.numel() != draft_vocab_size:
+        out.append(f"d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)")
+    if t2d is not None:
+        if t2d.dim() != 1:
+            out.append(f"t2d must be 1-D [vocab_size], got shape {list(t2d.shape)}")
+        elif vocab_size is not None and t2d.numel() != vocab_size:
+            out.append(f"t2d has shape {list(t2d.shape)}, expected [{vocab_size}] (the target vocab)")
+    if out:
+        return out
+    v = t2d.numel() if t2d is not None else vocab_size
+    ids = ids_from_d2t(d2t)                                                    # [N]
+    if v is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        return [f"d2t maps draft ids to target ids [{int(ids.min())}, {int(ids.max())}], outside [0, {v})"]
+    if ids.unique().numel() != ids.numel():
+        out.append("d2t maps two draft ids to the same target id")
+    if t2d is not None:
+        mask = t2d.to(torch.bool)
+        marked = int(mask.sum())
+        if marked != ids.numel():
+            out.append(f"t2d marks {marked} target ids, expected {ids.numel()} (one per d2t entry)")
+        else:
+            missed = ids[~mask[ids.to(mask.device)].to(ids.device)]
+            if missed.numel():
+                out.append(f"t2d does not mark the target ids that d2t maps to (False at target ids "
+                           f"{missed[:5].tolist()})")
+    return out
+
+
+def order_problems(d2t: torch.Tensor) -> list[str]:
+    """[] if the draft vocab is sorted by target id (d2t + arange(N) strictly increasing), as the vocab
+    stage writes it and as loaders that read `logits[..., t2d]` (id order) assume; else why not. A d2t that
+    is not 1-D is `mapping_problems`' finding, not this one's."""
+    if d2t.dim() != 1:
+        return []
+    problem = _sorted_unique_problem(ids_from_d2t(d2t), "target ids d2t + arange(N)")
+    return [problem] if problem else []
+
+
 def validate_mapping(d2t: torch.Tensor, t2d: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor:
-    """Check that d2t is a valid offset table (target ids strictly increasing and inside
-    [0, V)) and, when given, that t2d marks exactly those ids. Returns the target ids [N]."""
+    """Raise VocabMapError unless d2t is an integer offset table of a draft vocab sorted by target id and,
+    when given, t2d a bool mask agreeing with it (`mapping_problems`). Returns the target ids [N]."""
     if d2t.dim() != 1 or d2t.dtype not in (torch.int64, torch.int32):
         raise VocabMapError(f"d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}")
-    ids = ids_from_d2t(d2t)
-    _check_sorted_unique(ids, "target ids d2t + arange(N)")
-    if t2d is not None:
-        if t2d.dim() != 1 or t2d.dtype != torch.bool:
-            raise VocabMapError(f"t2d must be a 1-D bool tensor, got {t2d.dtype} {tuple(t2d.shape)}")
-        if vocab_size is not None and t2d.numel() != vocab_size:
-            raise VocabMapError(f"t2d has {t2d.numel()} entries, the target vocab has {vocab_size}")
-        vocab_size = t2d.numel()
-    if vocab_size is not None and ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= vocab_size):
-        raise VocabMapError(f"d2t maps to target ids [{int(ids[0])}, {int(ids[-1])}], outside [0, {vocab_size})")
-    if t2d is not None:
-        if int(t2d.sum()) != ids.numel():
-            raise VocabMapError(f"t2d marks {int(t2d.sum())} tokens, d2t has {ids.numel()} entries")
-        if not bool(t2d[ids].all()):
-            bad = ids[~t2d[ids]][:5].tolist()
-            raise VocabMapError(f"t2d is False at target ids {bad} that d2t maps to")
-    return ids
+    if t2d is not None and (t2d.dim() != 1 or t2d.dtype != torch.bool):
+        raise VocabMapError(f"t2d must be a 1-D bool tensor, got {t2d.dtype} {tuple(t2d.shape)}")
+    problems = order_problems(d2t) + mapping_problems(d2t, t2d, vocab_size=vocab_size)
+    if problems:
+        raise VocabMapError("; ".join(problems))
+    return ids_from_d2t(d2t)
 
 
 def coverage(counts: torch.Tensor, ids: torch.Tensor) -> dict:
@@ -138,11 +178,18 @@ def compare_vocabs(new_ids: torch.Tensor, old_ids: torch.Tensor, counts: torch.T
 
 
 def _check_sorted_unique(ids: torch.Tensor, what: str) -> None:
+    problem = _sorted_unique_problem(ids, what)
+    if problem:
+        raise VocabMapError(problem)
+
+
+def _sorted_unique_problem(ids: torch.Tensor, what: str) -> str | None:
     if ids.dim() != 1:
-        raise VocabMapError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
+        return f"{what} must be 1-D, got shape {tuple(ids.shape)}"
     if ids.numel() > 1:
         steps = ids[1:] - ids[:-1]
         if not bool((steps > 0).all()):
             at = int(torch.nonzero(steps <= 0)[0])
-            raise VocabMapError(f"{what} must be strictly increasing (sorted by id, no repeats); "
-                                f"position {at + 1} has {int(ids[at + 1])} after {int(ids[at])}")
+            return (f"{what} must be strictly increasing (the draft vocab sorted by target id, no repeats); "
+                    f"position {at + 1} has {int(ids[at + 1])} after {int(ids[at])}")
+    return None

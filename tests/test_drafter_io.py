@@ -186,6 +186,10 @@ def test_captured_ids_and_mapping_checked():
     assert found and found[0].key == "d2t/t2d" and found[0].fatal
     with pytest.raises(CompatibilityError, match="t2d has shape"):
         assert_compatible(cfg, TARGET, d2t=m.d2t, t2d=short_t2d)
+    shuffled = m.d2t.clone()                                # draft ids 0 and 1 swap target ids: valid, unsorted
+    shuffled[0], shuffled[1] = m.d2t[1] + 1, m.d2t[0] - 1
+    found = compatibility_mismatches(cfg, TARGET, d2t=shuffled, t2d=m.t2d)
+    assert [(f.key, f.fatal) for f in found] == [("d2t", False)] and "strictly increasing" in found[0].problem
 
 
 def test_check_drafter_dir_reads_mapping(tmp_path):

@@ -109,7 +109,7 @@ def test_vocab_mapping_consistent_pair_passes_and_breakages_are_named():
     # unsorted draft vocab: a valid set, shuffled order
     shuffled = torch.tensor([4, 1, 5, 9])
     d2t_unsorted = shuffled - torch.arange(4)
-    assert any("not increasing" in p for p in spec.vocab_mapping_problems(d2t_unsorted, t2d, 4, 12))
+    assert any("strictly increasing" in p for p in spec.vocab_mapping_problems(d2t_unsorted, t2d, 4, 12))
     # out of range and wrong dtypes
     assert any("outside" in p for p in spec.vocab_mapping_problems(d2t + 5, t2d, 4, 12))
     probs = spec.vocab_mapping_problems(d2t.int(), t2d.to(torch.uint8), 4, 12)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from eagle3.model import DrafterConfig, Eagle3Drafter, rope_inv_freq, vocab_mapping_problems
+from eagle3.model import DrafterConfig, Eagle3Drafter, rope_inv_freq
+from eagle3.vocab_map import mapping_problems
 from eagle3.ttt import KVCache, TTTCache, ttt_position_ids
 
 
@@ -253,8 +254,8 @@ def test_vocab_mapping_and_draft_ids_to_target():
     assert torch.equal(m.draft_ids_to_target(torch.arange(cfg.draft_vocab_size)), target_ids)
     bad = t2d.clone()
     bad[target_ids[0]] = False
-    assert vocab_mapping_problems(d2t, bad, cfg.draft_vocab_size, cfg.vocab_size)
-    with pytest.raises(ValueError, match="t2d"):
+    assert mapping_problems(d2t, bad, cfg.draft_vocab_size, cfg.vocab_size)
+    with pytest.raises(ValueError, match="t2d marks"):
         m.set_vocab_mapping(d2t, bad)
 
 

@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, ids_from_d2t,
-                              masked_token_counts, t2d_from_ids, top_n_vocab, validate_mapping)
+from eagle3.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, ids_from_d2t, mapping_problems,
+                              masked_token_counts, order_problems, t2d_from_ids, top_n_vocab, validate_mapping)
 
 
 def test_top_n_hand_checked_with_tie_broken_by_id():
@@ -63,14 +63,39 @@ def test_validation_catches_inconsistent_mappings():
         validate_mapping(d2t_from_ids(ids), bad)
     extra = t2d.clone()
     extra[0] = True
-    with pytest.raises(VocabMapError, match="marks 4 tokens"):
+    with pytest.raises(VocabMapError, match="marks 4 target ids, expected 3"):
         validate_mapping(d2t_from_ids(ids), extra)
     with pytest.raises(VocabMapError, match="outside"):
         validate_mapping(d2t_from_ids(ids), None, vocab_size=6)
-    with pytest.raises(VocabMapError, match="entries, the target vocab has"):
+    with pytest.raises(VocabMapError, match=r"t2d has shape \[8\], expected \[9\]"):
         validate_mapping(d2t_from_ids(ids), t2d, vocab_size=9)
     with pytest.raises(VocabMapError, match="must be in"):
         top_n_vocab(torch.tensor([1, 2]), 3)
+
+
+def test_mapping_problems_is_the_one_check_of_meaning_and_order_is_separate():
+    """The core check judges values (any integer / bool storage) and sizes; id order is order_problems'."""
+    ids = torch.tensor([1, 4, 6])
+    d2t, t2d = d2t_from_ids(ids), t2d_from_ids(ids, 8)
+    assert mapping_problems(d2t, t2d, 3, 8) == [] and order_problems(d2t) == []
+    assert mapping_problems(d2t.int(), t2d.to(torch.uint8), 3, 8) == []        # same ids, other storage
+    shuffled = torch.tensor([4, 1, 6]) - torch.arange(3)                        # a valid set, not in id order
+    assert mapping_problems(shuffled, t2d, 3, 8) == []
+    assert any("strictly increasing" in p and "position 1 has 1 after 4" in p for p in order_problems(shuffled))
+    with pytest.raises(VocabMapError, match="strictly increasing"):
+        validate_mapping(shuffled, t2d)
+    dup = torch.tensor([1, 0, 4])                                               # ids 1, 1, 6
+    assert "d2t maps two draft ids to the same target id" in mapping_problems(dup)
+    assert any("outside [0, 6)" in p for p in mapping_problems(d2t, None, vocab_size=6))
+    assert mapping_problems(d2t, None) == []                                    # no vocab size: range unknown
+    assert mapping_problems(d2t, t2d, 4, 8) == ["d2t has shape [3], expected [4] (draft_vocab_size)"]
+    assert mapping_problems(d2t, t2d, 3, 9) == ["t2d has shape [8], expected [9] (the target vocab)"]
+    assert mapping_problems(d2t[None], t2d) == ["d2t must be 1-D [draft_vocab_size], got shape [1, 3]"]
+    assert order_problems(d2t[None]) == []                                      # shape is the core check's finding
+    moved = t2d.clone()
+    moved[4], moved[5] = False, True
+    assert mapping_problems(d2t, moved) == ["t2d does not mark the target ids that d2t maps to "
+                                            "(False at target ids [4])"]
 
 
 def test_masked_counts_against_python_counter():
