@@ -184,8 +184,8 @@ def ngram_baseline(cfg, ev: Evaluator, path: Path) -> None:
     key = _record_key(cfg, None, {"capture": sha256_file(Path(ev.cfg.capture_dir) / "manifest.json")})
     if _cached(path, key) is not None:
         return
-    sims = simulate_accept_length(None, ev.store, knobs=knob_grid(cfg.knob_grid), max_sequences=cfg.knob_grid.max_sequences,
-                                  progress=False)
+    sims = simulate_accept_length(None, ev.store, knobs=knob_grid(cfg.knob_grid),
+                                  max_sequences=cfg.knob_grid.max_sequences, progress=False)
     atomic_write_json(path, {"key": key, "grid_tau": {label: r["ngram"].accept_length for label, r in sims.items()}})
 
 
@@ -243,6 +243,7 @@ def study_on(cfg, exp, log, t0: float) -> Path:
                                  "eval_seconds": time.time() - t})
         _log_wandb(cfg, json.loads(path.read_text()), out_dir)
         log.rows.append((f"study: measure {name}", time.time() - t, str(path)))
+        save_timings(out_dir, t0, log.rows)  # an interrupted invocation keeps its times too
 
     ngram_baseline(cfg, sides["k25"], out_dir / NGRAM_FILE)
     zs = exp.k2_drafter
@@ -256,9 +257,16 @@ def study_on(cfg, exp, log, t0: float) -> Path:
             finished(run_name(init, seed), train_dir / "final", train_dir,
                      lambda: curve(train_cfg, sides["k25"], curve_knobs, cfg.curve.max_sequences),
                      {"init": init, "seed": seed, "train_dir": str(train_dir)})
-    report = write_report(cfg, load_records(runs_dir), out_dir, stage_seconds=log.rows,
-                          total_seconds=time.time() - t0)
-    return report
+    save_timings(out_dir, t0, log.rows)
+    return write_report(cfg, load_records(runs_dir), out_dir)
+
+
+def save_timings(out_dir: Path, t0: float, rows) -> None:
+    """`<out_dir>/timings/<start>.json`: this invocation's stage times so far (the report lists every
+    invocation's, so a study finished over several calls shows where all its time went)."""
+    start = time.strftime("%Y%m%dT%H%M%S", time.gmtime(t0))
+    atomic_write_json(out_dir / "timings" / f"{start}.json",
+                      {"start": start, "rows": [list(r) for r in rows], "total_seconds": time.time() - t0})
 
 
 def _log_wandb(cfg, record: dict, out_dir: Path) -> None:

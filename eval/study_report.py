@@ -142,7 +142,8 @@ def forgetting(groups: dict[str, list[dict]], primary: str) -> list[dict]:
         k2 = [r["final"]["k2_traffic"] for r in runs]
         rows.append({"drafter": LABELS.get(init, init), "runs": len(runs),
                      "k25_acc0": [p["acc_step0"] for p in k25], "k2_acc0": [p["acc_step0"] for p in k2],
-                     "k25_tau": [value(p, f"tau {primary}") for p in k25], "k2_tau": [value(p, f"tau {primary}") for p in k2]})
+                     "k25_tau": [value(p, f"tau {primary}") for p in k25],
+                     "k2_tau": [value(p, f"tau {primary}") for p in k2]})
     return rows
 
 
@@ -207,7 +208,8 @@ def recommendation(knobs: dict[str, dict], cfg) -> dict:
     init = max(trained, key=lambda i: trained[i]["best"]["speedup"])
     best = trained[init]["best"]
     exp = compose("export", [f"paths.root={cfg.paths.root}", "target=kimi_k25", f"+init={init}"])
-    target = SimpleNamespace(path=exp.target.path, layout=exp.target.layout, trust_remote_code=exp.target.trust_remote_code)
+    target = SimpleNamespace(path=exp.target.path, layout=exp.target.layout,
+                             trust_remote_code=exp.target.trust_remote_code)
     draft_dir = exp.out_dir
     choice = ServeChoice(best["num_steps"], best["topk"], best["num_draft_tokens"], "study knob search",
                          best["accept_length"], best["speedup"])
@@ -217,7 +219,18 @@ def recommendation(knobs: dict[str, dict], cfg) -> dict:
             "ngram_beats_it": bool(ngram and ngram["speedup"] > best["speedup"])}
 
 
-def write_report(cfg, records: list[dict], out_dir: Path, stage_seconds=None, total_seconds=None) -> Path:
+def load_timings(out_dir: Path) -> list[dict]:
+    """Every invocation's stage times (eval/study.py save_timings), oldest first."""
+    out = []
+    for p in sorted((Path(out_dir) / "timings").glob("*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     from eval.stage import latencies_from_config
 
     out_dir = Path(out_dir)
@@ -231,12 +244,13 @@ def write_report(cfg, records: list[dict], out_dir: Path, stage_seconds=None, to
     metrics = metric_names(records)
     lat = latencies_from_config(cfg.cost)
     result = {"derived": derived(groups, metrics, cfg.primary_knob, cfg.confidence),
-              "forgetting": forgetting(groups, cfg.primary_knob), "knobs": knob_search({**groups, **ngram_group(out_dir)}, lat, PRESETS.get(cfg.cost.preset)),
+              "forgetting": forgetting(groups, cfg.primary_knob),
+              "knobs": knob_search({**groups, **ngram_group(out_dir)}, lat, PRESETS.get(cfg.cost.preset)),
               "latencies": {k: getattr(lat, k) for k in ("baseline_token_ms", "verify_ms", "verify_ms_per_token",
                                                           "draft_step_ms", "draft_extend_ms", "source")},
               "plots": plot_curves(groups, inits, metrics, out_dir, zs["points"][0] if zs else None),
               "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "stage_seconds": stage_seconds, "total_seconds": total_seconds,
+              "timings": load_timings(out_dir),
               "seeds": {i: [r["seed"] for r in groups[i]] for i in inits}}
     result["recommendation"] = recommendation(result["knobs"], cfg)
     result["table"] = budget_table(groups, inits, metrics)
@@ -251,7 +265,8 @@ def machine() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}" + (f", {gpu}" if gpu else ", CPU only")
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.node() or 'host'}: {cpu}" + (f", {gpu}" if gpu else ", CPU only")
 
 
 def _ci(d: dict, nd: int = 3) -> str:
@@ -260,63 +275,88 @@ def _ci(d: dict, nd: int = 3) -> str:
     return f"{d['diff']:+.{nd}f} [{d['low']:+.{nd}f}, {d['high']:+.{nd}f}]"
 
 
-def render(result: dict, groups: dict[str, list[dict]], cfg) -> str:
-    d = result["derived"]
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _rule(n: int) -> str:
+    return "|" + "---|" * n
+
+
+def render_derived(d: dict, confidence: float) -> list[str]:
     sav = d["saving"]
-    lat = result["latencies"]
-    lines = [f"# Study: is the K2 drafter a better start for K2.5 than scratch? ({result['date']}, {result['machine']})",
-             "", f"Seeds per init: {result['seeds']}; x = real training tokens seen; spread = sample std over seeds.", "",
-             "## Learning curves (held-out K2.5 traffic)", "", result["table"], ""]
-    lines += [f"![{k}]({v})" for k, v in result["plots"].items()] + [""]
     saving = ("not measurable" if not sav["ratios"] else
               f"{sav['mean']:.2f}x ± {sav['std']:.2f} (range {sav['min']:.2f}x-{sav['max']:.2f}x over "
               f"{len(sav['ratios'])} of {sav['pairs']} seed pairs)")
-    lines += ["## Derived answers", "",
-              f"- Token saving of the K2 start (sim tau {d['primary']}): scratch's final tokens / the tokens the K2 start "
-              f"needs to reach scratch's final value: **{saving}**; pairs never reached: {sav['not_reached']}, "
-              f"reached at 0 tokens: {sav['at_start']}.",
-              f"- Final difference, K2 start - scratch, with its {100 * cfg.confidence:.0f}% Welch interval:"]
-    lines += [f"  - {title}: {_ci(ci)}" for title, ci in d["final_difference"].items()]
-    lines += ["", "## What fine-tuning forgets (final drafters; K2 traffic = the K2 side's held-out store, served with "
-              "k2-mini)", "", f"| drafter | runs | acc step 0 on K2.5 | acc step 0 on K2 | sim tau {d['primary']} on K2.5 | "
-              f"sim tau {d['primary']} on K2 |", "|---|---|---|---|---|---|"]
-    for r in result["forgetting"]:
-        lines.append(f"| {r['drafter']} | {r['runs']} | {_pm(r['k25_acc0'])} | {_pm(r['k2_acc0'])} | {_pm(r['k25_tau'])} | "
-                     f"{_pm(r['k2_tau'])} |")
-    lines += ["", f"## Knobs (cost model: baseline {1000 / lat['baseline_token_ms']:.0f} tok/s, verify {lat['verify_ms']:.1f} ms "
-              f"+ {lat['verify_ms_per_token']:.2f} ms per verified token, draft step {lat['draft_step_ms']:.2f} ms; "
-              f"{lat['source']})", "",
-              "| drafter | best setting | sim tau | predicted speed-up (mean ± std over seeds) | break-even tau | best chain "
-              "| best at a flat cycle (the preset as given) |", "|---|---|---|---|---|---|---|"]
-    for init, k in result["knobs"].items():
+    lines = ["## Derived answers", "",
+             f"- Token saving of the K2 start (sim tau {d['primary']}): scratch's final tokens / the tokens the K2 "
+             f"start needs to first reach scratch's final value: **{saving}**; pairs never reached: "
+             f"{sav['not_reached']}, reached at 0 tokens: {sav['at_start']}.",
+             f"- Final difference, K2 start - scratch, with its {100 * confidence:.0f}% Welch interval:"]
+    return lines + [f"  - {title}: {_ci(ci)}" for title, ci in d["final_difference"].items()]
+
+
+def render_forgetting(rows: list[dict], primary: str) -> list[str]:
+    lines = ["## What fine-tuning forgets (final drafters; K2 traffic = the K2 side's held-out store, served "
+             "with k2-mini)", "",
+             _row(["drafter", "runs", "acc step 0 on K2.5", "acc step 0 on K2", f"sim tau {primary} on K2.5",
+                   f"sim tau {primary} on K2"]), _rule(6)]
+    return lines + [_row([r["drafter"], r["runs"], _pm(r["k25_acc0"]), _pm(r["k2_acc0"]), _pm(r["k25_tau"]),
+                          _pm(r["k2_tau"])]) for r in rows]
+
+
+def render_knobs(knobs: dict, rec: dict, lat: dict) -> list[str]:
+    lines = [f"## Knobs (cost model: baseline {1000 / lat['baseline_token_ms']:.0f} tok/s, verify "
+             f"{lat['verify_ms']:.1f} ms + {lat['verify_ms_per_token']:.2f} ms per verified token, draft step "
+             f"{lat['draft_step_ms']:.2f} ms; {lat['source']})", "",
+             _row(["drafter", "best setting", "sim tau", "predicted speed-up (mean ± std over seeds)",
+                   "break-even tau", "best chain", "best at a flat cycle (the preset as given)"]), _rule(7)]
+    for init, k in knobs.items():
         b, c, f = k["best"], k["best_chain"], k.get("best_flat")
-        chain = "-" if c is None else (f"{c['num_steps']}/1/{c['num_draft_tokens']}: tau {c['accept_length']:.2f}, "
-                                       f"{c['speedup']:.2f}x")
+        chain = "-" if c is None else f"{c['num_steps']}/1/{c['num_draft_tokens']}: tau {c['accept_length']:.2f}, " \
+                                      f"{c['speedup']:.2f}x"
         flat = "-" if f is None else f"{f['label']}: tau {f['accept_length']:.2f}, {f['speedup']:.2f}x"
-        lines.append(f"| {LABELS.get(init, init)} | {b['label']} | {b['accept_length']:.3f} | {_pm(b['speedup_per_seed'], 2)}x | "
-                     f"{b['break_even_accept_length']:.2f} | {chain} | {flat} |")
-    rec = result["recommendation"]
+        lines.append(_row([LABELS.get(init, init), b["label"], f"{b['accept_length']:.3f}",
+                           f"{_pm(b['speedup_per_seed'], 2)}x", f"{b['break_even_accept_length']:.2f}", chain, flat]))
     if rec:
         s = rec["setting"]
         verdict = ("predicted to beat plain decoding" if rec["wins"] else
                    "still predicted SLOWER than plain decoding: keep speculation off on this server")
-        lines += ["", f"**Recommendation:** {LABELS.get(rec['init'], rec['init'])}, {s['label']} "
-                  f"(steps/topk/draft tokens): sim tau {s['accept_length']:.2f}, predicted {s['speedup']:.2f}x "
-                  f"({verdict}; break-even tau {s['break_even_accept_length']:.2f})."
-                  + (" n-gram prompt lookup is predicted faster still on these targets (table above)."
-                     if rec.get("ngram_beats_it") else ""), "", "```bash", rec["command"], "```"]
+        ngram = " n-gram prompt lookup is predicted faster still on these targets (table above)." \
+            if rec.get("ngram_beats_it") else ""
+        lines += ["", f"**Recommendation:** {LABELS.get(rec['init'], rec['init'])}, {s['label']} (steps/topk/draft "
+                  f"tokens): sim tau {s['accept_length']:.2f}, predicted {s['speedup']:.2f}x ({verdict}; break-even "
+                  f"tau {s['break_even_accept_length']:.2f}).{ngram}", "", "```bash", rec["command"], "```"]
+    return lines
+
+
+def render_real(groups: dict[str, list[dict]]) -> list[str]:
     real = [(r["name"], r["final"].get("real") or {}) for runs in groups.values() for r in runs]
     real = [(n, x) for n, x in real if x and "skipped" not in x]
-    if real:
-        labels = list(real[0][1])
-        lines += ["", "## Real speculative loop (final drafters, k25-mini)", "",
-                  "| drafter | " + " | ".join(f"real / sim tau {label}" for label in labels) + " | lossless |",
-                  "|---|" + "---|" * (len(labels) + 1)]
-        for n, x in real:
-            cells = [f"{x[label]['real_accept_length']:.3f} / {x[label]['sim_accept_length']:.3f}" for label in labels]
-            lines.append(f"| {n} | " + " | ".join(cells) + f" | {all(x[label]['lossless'] for label in labels)} |")
-    if result.get("stage_seconds"):
-        lines += ["", "| step | seconds |", "|---|---|"]
-        lines += [f"| {label} | {sec:.1f} |" for label, sec, _ in result["stage_seconds"]]
-        lines.append(f"| total | {result['total_seconds']:.1f} |")
+    if not real:
+        return []
+    labels = list(real[0][1])
+    lines = ["## Real speculative loop (final drafters, k25-mini)", "",
+             _row(["drafter"] + [f"real / sim tau {label}" for label in labels] + ["lossless"]),
+             _rule(len(labels) + 2)]
+    for n, x in real:
+        cells = [f"{x[label]['real_accept_length']:.3f} / {x[label]['sim_accept_length']:.3f}" for label in labels]
+        lines.append(_row([n] + cells + [all(x[label]["lossless"] for label in labels)]))
+    return lines
+
+
+def render(result: dict, groups: dict[str, list[dict]], cfg) -> str:
+    lines = [f"# Study: is the K2 drafter a better start for K2.5 than scratch? ({result['date']}, "
+             f"{result['machine']})", "",
+             f"Seeds per init: {result['seeds']}; x = real training tokens seen; spread = sample std over seeds.",
+             "", "## Learning curves (held-out K2.5 traffic)", "", result["table"], ""]
+    lines += [f"![{k}]({v})" for k, v in result["plots"].items()] + [""]
+    lines += render_derived(result["derived"], cfg.confidence) + [""]
+    lines += render_forgetting(result["forgetting"], cfg.primary_knob) + [""]
+    lines += render_knobs(result["knobs"], result["recommendation"], result["latencies"]) + [""]
+    lines += render_real(groups)
+    for t in result.get("timings") or []:
+        lines += ["", f"| step (invocation started {t['start']} UTC) | seconds |", "|---|---|"]
+        lines += [f"| {label} | {sec:.1f} |" for label, sec, _ in t["rows"]]
+        lines.append(f"| total | {t['total_seconds']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -145,6 +145,7 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     assert report["recommendation"]["init"] in ("scratch", "aqmedai_k2")
     rec_cmd = report["recommendation"]["command"]
     assert "--speculative-algorithm EAGLE3" in rec_cmd and "--speculative-num-steps" in rec_cmd
+    assert any(row[0] == "study: train scratch-seed1" for t in report["timings"] for row in t["rows"])
     md = (out / "report.md").read_text()
     assert "± " in md and "Welch interval" in md and "sglang.launch_server" in md
 
