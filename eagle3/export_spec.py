@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from eagle3 import aux_layers, drafter_keys, vocab_map
+from eagle3.model import DEFAULT_ROPE_THETA, config_sizes, rope_settings
 
 FORMATS = ("sglang", "speculators")
 FORMAT_CHOICES = FORMATS + ("both",)
@@ -66,22 +67,9 @@ class DrafterShape:
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "DrafterShape":
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-                   if cfg.get(k) is None]
-        if missing:
-            raise KeyError(f"drafter config lacks {missing}")
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            # SGLang: an absent draft_vocab_size means the full target vocab
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-            target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
-        )
+        """The sizes as the drafter reads them (`model.config_sizes`: absent keys, missing ones); unlike
+        DrafterConfig it judges nothing else, so a checked directory's other faults are listed, not raised."""
+        return cls(**config_sizes(cfg))
 
 
 # ---------------------------------------------------------------- names
@@ -184,18 +172,6 @@ def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_siz
 
 
 # ---------------------------------------------------------------- configs
-
-def rope_settings(cfg: Mapping[str, Any]) -> tuple[float, Any]:
-    """(rope_theta, rope_scaling) of a config in either the transformers-4 keys or 5's `rope_parameters`."""
-    params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    scaling = cfg.get("rope_scaling")
-    if scaling is None and params and params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if theta is None:
-        raise KeyError("drafter config has no rope_theta (nor rope_parameters.rope_theta)")
-    return float(theta), scaling
-
 
 def sglang_config(drafter_cfg: Mapping[str, Any], *, vocab_size: int, max_position_embeddings: int,
                   hf_indices: Sequence[int], dtype: str) -> dict:
@@ -351,13 +327,13 @@ def _layer_field_problems(cfg: Mapping[str, Any], *, vocab_size: int, max_positi
     if not isinstance(mpe, int) or mpe < int(max_position_embeddings):
         p.append(f"config max_position_embeddings={mpe!r}, expected >= the target's context length "
                  f"{max_position_embeddings}")
-    try:
-        theta, scaling = rope_settings(cfg)
-        if rope is not None and (theta, scaling) != (float(rope[0]), rope[1]):
-            p.append(f"rope settings (theta={theta}, scaling={scaling}) differ from training's "
-                     f"(theta={rope[0]}, scaling={rope[1]})")
-    except KeyError as e:
-        p.append(str(e.args[0]))
+    theta, scaling = rope_settings(cfg, default_theta=None)  # an exported config states its rope: no engine default
+    if theta is None:
+        p.append(f"config has no rope_theta (nor rope_parameters.rope_theta): engines would assume "
+                 f"{DEFAULT_ROPE_THETA:g}; the export writes the trained value")
+    elif rope is not None and (theta, scaling) != (float(rope[0]), rope[1]):
+        p.append(f"rope settings (theta={theta}, scaling={scaling}) differ from training's "
+                 f"(theta={rope[0]}, scaling={rope[1]})")
     return p
 
 

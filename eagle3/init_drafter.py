@@ -28,7 +28,7 @@ import torch
 
 from eagle3 import aux_layers, target_io
 from eagle3.drafter_io import check_drafter_dir, load_drafter_dir, raise_on_fatal, torch_dtype
-from eagle3.model import DrafterConfig, Eagle3Drafter, _rope_from_hf, rope_type_of
+from eagle3.model import ROPE_TYPES, DrafterConfig, Eagle3Drafter, rope_settings, rope_type_of
 from eagle3.remap import remap_lm_head
 from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
 
@@ -45,8 +45,8 @@ def scratch_config(text: dict, draft_vocab_size: int, hf_indices: list[int]) -> 
         notes.append(f"MLA target: head_dim = v_head_dim = {head_dim}")
     else:
         head_dim = int(text.get("head_dim") or H // heads)
-    theta, scaling = _rope_from_hf(text)
-    if rope_type_of(scaling) not in ("default", "linear", "llama3"):
+    theta, scaling = rope_settings(text)
+    if rope_type_of(scaling) not in ROPE_TYPES:
         notes.append(f"target rope_scaling {rope_type_of(scaling)!r} not carried to the drafter (plain rope, "
                      f"theta {theta})")
         scaling = None

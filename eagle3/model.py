@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,10 @@ from eagle3 import aux_layers, drafter_keys, vocab_map
 from eagle3.ttt import KVCache, TTTCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3")  # the rope variants rope_inv_freq implements
+# rope base of a config that states none: what SGLang's llama layer reads (`getattr(config, "rope_theta", 10000)`)
+# and transformers' LlamaConfig fills in (`default_theta = 10_000.0`), so training and serving agree
+DEFAULT_ROPE_THETA = 10000.0
 
 
 def check_aux_width(aux: torch.Tensor, fc: nn.Linear) -> None:
@@ -61,7 +64,7 @@ class DrafterConfig:
     # lists ids instead (eagle_config.eagle_aux_hidden_state_layer_ids), read/written by an engine's rule.
     aux_hf_indices: Optional[list[int]] = None
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: Optional[dict] = None
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
@@ -85,8 +88,8 @@ class DrafterConfig:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
         rope_type = rope_type_of(self.rope_scaling)
-        if rope_type not in _ROPE_TYPES:
-            problems.append(f"rope_scaling type {rope_type!r} is not supported (supported: {_ROPE_TYPES})")
+        if rope_type not in ROPE_TYPES:
+            problems.append(f"rope_scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
         if problems:
             raise ValueError("invalid drafter config: " + "; ".join(problems))
 
@@ -94,24 +97,15 @@ class DrafterConfig:
     def from_hf_dict(cls, d: dict, id_rule: str = aux_layers.DEFAULT_RULE) -> "DrafterConfig":
         """Parse a drafter `config.json` dict; raise ValueError naming what cannot be served. Its aux
         layer ids become hidden-state indices by `id_rule` (the serving engine's reading, aux_layers.RULES)."""
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"drafter config lacks {missing}")
+        sizes = config_sizes(d)
         # every switch an engine reads must mean this model's forward (layers, biases, norms, ...): drafter_keys
         keys = drafter_keys.check_config(d, "sglang")
         keys.raise_if_refused()
-        heads = int(d["num_attention_heads"])
-        theta, scaling = _rope_from_hf(d)
+        theta, scaling = rope_settings(d)
         eagle = d.get("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         return cls(
-            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            vocab_size=int(d["vocab_size"]),
-            # SGLang: no draft_vocab_size means the full target vocab.
-            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-            target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
+            **sizes,
             aux_hf_indices=None if aux is None else aux_layers.hf_indices_from_ids(
                 aux_layers.as_int_list(aux, "eagle_aux_hidden_state_layer_ids"), id_rule),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
@@ -145,14 +139,47 @@ class DrafterConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _rope_from_hf(d: dict) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from transformers-4 keys or transformers-5 `rope_parameters`."""
+_REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def config_sizes(d: Mapping[str, Any]) -> dict[str, int]:
+    """The sizes in a drafter `config.json` that fix every tensor's shape (DrafterConfig's first eight fields),
+    with the engines' readings of absent keys (drafter_keys' table): num_key_value_heads = heads, head_dim =
+    hidden / heads, draft_vocab_size = vocab_size (the full target vocab, as SGLang reads it), target_hidden_size
+    = hidden_size. The one parse of these keys: DrafterConfig.from_hf_dict and export_spec.DrafterShape use it.
+    ValueError naming the required keys that are absent (or null)."""
+    missing = [k for k in _REQUIRED_SIZES if d.get(k) is None]
+    if missing:
+        raise ValueError(f"drafter config lacks {missing}")
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    return {
+        "hidden_size": hidden, "intermediate_size": int(d["intermediate_size"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(d.get("num_key_value_heads") or heads),
+        "head_dim": int(d.get("head_dim") or hidden // heads), "vocab_size": int(d["vocab_size"]),
+        "draft_vocab_size": int(d.get("draft_vocab_size") or d["vocab_size"]),
+        "target_hidden_size": int(d.get("target_hidden_size") or hidden),
+    }
+
+
+def rope_settings(d: Mapping[str, Any], default_theta: Optional[float] = DEFAULT_ROPE_THETA
+                  ) -> tuple[Optional[float], Optional[dict]]:
+    """(rope_theta, rope_scaling) of a config in transformers-4 keys or transformers-5 `rope_parameters`: the
+    one parser of a config's rope (drafter configs, the target's text config, exported configs).
+
+    A config stating no theta in either form (or null) reads as `default_theta`: 10000, as SGLang's llama
+    layer and transformers' LlamaConfig read it (training on such a drafter therefore used 10000, and so does
+    its export). default_theta=None returns None instead, for the export check that an exported config states
+    its rope explicitly (export_spec). A default rope_parameters type means no scaling."""
     params = d.get("rope_parameters") or {}
-    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta")
+    if theta is None:
+        theta = default_theta
     scaling = d.get("rope_scaling")
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return float(theta), scaling
+    return (None if theta is None else float(theta)), scaling
 
 
 def rope_type_of(rope_scaling: Optional[dict]) -> str:

@@ -29,6 +29,7 @@ import torch
 from eagle3 import aux_layers, export_spec as spec
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
+from eagle3.model import rope_settings
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
 from eval.export_serve import (read_serve_choice, serve_markdown, sglang_command, tensor_parallel,
@@ -258,7 +259,7 @@ def run_export(config) -> Path:
     choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
     validate_kw = dict(vocab_size=int(src.target_text_cfg["vocab_size"]), max_position_embeddings=src.context_length,
                        hf_indices=src.hf_indices, dtype=config.dtype,
-                       rope=spec.rope_settings(src.drafter_cfg))
+                       rope=rope_settings(src.drafter_cfg))
     fingerprints = _inputs_fingerprint(config)
     if _reusable(config, out_dir, fingerprints, validate_kw):
         print(f"export: {out_dir} is up to date with its config and inputs (revalidated from disk); reused")

@@ -203,12 +203,20 @@ def test_speculators_config_fields_and_inverse():
     assert back == DrafterConfig.from_hf_dict(sg)
 
 
-def test_rope_settings_reads_transformers5_rope_parameters():
-    assert spec.rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}) == (5e5, None)
-    theta, scaling = spec.rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
-    assert theta == 5e5 and scaling == {"rope_type": "linear", "factor": 2.0}
-    with pytest.raises(KeyError, match="rope_theta"):
-        spec.rope_settings({})
+def test_exported_config_must_state_its_rope():
+    """model.rope_settings reads an absent theta as 10000; an exported config is still asked to state it."""
+    good = spec.sglang_config(DrafterConfig(**TINY).to_hf_dict(), vocab_size=50, max_position_embeddings=256,
+                              hf_indices=[2, 3, 4], dtype="bfloat16")
+    kw = dict(vocab_size=50, draft_vocab_size=good["draft_vocab_size"], max_position_embeddings=256,
+              hf_indices=[2, 3, 4], dtype="bfloat16", rope=(good["rope_theta"], None))
+    assert spec.sglang_config_problems(good, **kw) == []
+    bare = {k: v for k, v in good.items() if k != "rope_theta"}
+    assert [p for p in spec.sglang_config_problems(bare, **kw) if "rope" in p] == [
+        "config has no rope_theta (nor rope_parameters.rope_theta): engines would assume 10000; the export "
+        "writes the trained value"]
+    moved = {**bare, "rope_parameters": {"rope_theta": good["rope_theta"], "rope_type": "default"}}
+    assert spec.sglang_config_problems(moved, **kw) == []
+    assert any("differ from training" in p for p in spec.sglang_config_problems(good, **{**kw, "rope": (5e5, None)}))
 
 
 # --- what the servers' loaders do with these names (their load_weights logic, restated from the sources) ----

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from eagle3.model import DrafterConfig, Eagle3Drafter, rope_inv_freq
+from eagle3 import export_spec
+from eagle3.model import DEFAULT_ROPE_THETA, DrafterConfig, Eagle3Drafter, rope_inv_freq, rope_settings
 from eagle3.vocab_map import mapping_problems
 from eagle3.ttt import KVCache, TTTCache, ttt_position_ids
 
@@ -226,6 +227,26 @@ def test_hf_config_round_trip_and_defaults():
         DrafterConfig.from_hf_dict({**src, "num_hidden_layers": 2})
     with pytest.raises(ValueError, match="rope_scaling"):
         DrafterConfig.from_hf_dict({**src, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+def test_one_parse_of_sizes_and_rope_for_the_drafter_and_the_export():
+    """DrafterConfig and export_spec.DrafterShape read a config's sizes through one function (model.config_sizes):
+    the same absent-key readings, the same error; the rope parser's default is SGLang's / transformers' 10000."""
+    bare = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100}
+    cfg, shape = DrafterConfig.from_hf_dict(bare), export_spec.DrafterShape.from_hf_dict(bare)
+    assert {f: getattr(cfg, f) for f in vars(shape)} == vars(shape)
+    assert (shape.head_dim, shape.num_key_value_heads, shape.draft_vocab_size, shape.target_hidden_size) == (16, 4, 100, 64)
+    for parse in (DrafterConfig.from_hf_dict, export_spec.DrafterShape.from_hf_dict):
+        with pytest.raises(ValueError, match=r"lacks \['vocab_size'\]"):
+            parse({**bare, "vocab_size": None})
+    # rope: no theta in either spelling -> 10000 (what training used); the export's check asks for it explicitly
+    assert cfg.rope_theta == DEFAULT_ROPE_THETA == 10000.0 and rope_settings({}) == (10000.0, None)
+    assert rope_settings({}, default_theta=None) == (None, None)
+    assert rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}) == (5e5, None)
+    theta, scaling = rope_settings({"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
+    assert theta == 5e5 and scaling == {"rope_type": "linear", "factor": 2.0}
+    assert DrafterConfig.from_hf_dict({**bare, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear",
+                                                                   "factor": 2.0}}).rope_scaling == scaling
 
 
 def test_llama3_rope_scaling_frequencies():
