@@ -135,7 +135,10 @@ def readings(ids: Sequence[int]) -> dict[str, list[int]]:
 def validate_hf_indices(hf_indices, num_layers: Optional[int], what: str = "aux hidden-state indices") -> list[int]:
     """Exactly three distinct indices, each the output of a decoder layer: 1 <= h <= L - 1 (SGLang
     and vLLM capture the stream entering loop index h < L; h = 0 is the embeddings, not captured), and
-    not h[0] == 1, which current SGLang cannot be told (a first id 1 means h = 2; `ids_for_rule`).
+    not h[0] == 1, which current SGLang cannot be told (a first id 1 means h = 2; `ids_for_rule`); in
+    ascending order, because both engines hand the drafter the states in layer order whatever order the
+    config lists (SGLang deepseek_v2 and vLLM deepseek_v2 append while looping over the layers), so an
+    unsorted list would feed fc its input blocks permuted.
     num_layers None: everything but the range (a config checked before the target is known)."""
     h = as_int_list(hf_indices, what)
     problems = []
@@ -149,9 +152,12 @@ def validate_hf_indices(hf_indices, num_layers: Optional[int], what: str = "aux 
     if bad:
         top = "L-1" if num_layers is None else L - 1
         problems.append(f"{bad} outside 1..{top} (h = i + 1 is the output of decoder layer i of {L})")
+    if not dup and h != sorted(h):
+        problems.append(f"not ascending (SGLang and vLLM hand the drafter the states in layer order, "
+                        f"{sorted(h)}, whatever order the config lists)")
     if h and h[0] == 1:
         problems.append("h[0] = 1 (the output of decoder layer 0) cannot be served by current SGLang, which reads a "
-                        "first id 1 as h = 2: list another layer first")
+                        "first id 1 as h = 2: start at h >= 2")
     if problems:
         raise AuxLayerError(f"{what} {h}: " + "; ".join(problems))
     return h

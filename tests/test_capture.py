@@ -66,13 +66,13 @@ def load_split(prepared, split):
 
 @pytest.mark.parametrize("which", ["k25", "k2"])
 def test_stored_states_are_hf_hidden_states_h(tmp_path, targets, prepared, which):
-    cfg = capture_config(tmp_path, targets, prepared, which, overrides=["aux_hf_indices=[4,1,7]", "limit=6"])
+    cfg = capture_config(tmp_path, targets, prepared, which, overrides=["aux_hf_indices=[2,4,7]", "limit=6"])
     out = run_capture(cfg, Dist())
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["hf_indices"] == [4, 1, 7] and "aux_layer_ids" not in manifest
+    assert manifest["hf_indices"] == [2, 4, 7] and "aux_layer_ids" not in manifest
     assert manifest["aux_layers"]["source"] == "config" and manifest["aux_layers"]["rule"] is None
     store = HiddenStateStore(out / "train", verify="sha256")
-    assert len(store) == 6 and store.hf_indices == [4, 1, 7] and store.hidden_size == 64
+    assert len(store) == 6 and store.hf_indices == [2, 4, 7] and store.hidden_size == 64
     assert store.manifest["aux_provenance"]["source"] == "config"
     ds = load_split(prepared, "train")
     by_id = {ds[i]["id"]: ds[i] for i in range(6)}
@@ -87,7 +87,7 @@ def test_stored_states_are_hf_hidden_states_h(tmp_path, targets, prepared, which
         with torch.no_grad():  # the reference: HF's own hidden states, one unpadded sequence
             ref = model(input_ids=ids[None], output_hidden_states=True)
         hs = ref.hidden_states
-        for j, h in enumerate([4, 1, 7]):  # any order; h = 1 is the output of layer 0
+        for j, h in enumerate([2, 4, 7]):
             torch.testing.assert_close(rec["aux"][:, j * H:(j + 1) * H], hs[h][0], rtol=1e-5, atol=1e-5)
         # `last` is what lm_head consumes: it reproduces the model's logits
         logits = target_io.lm_head(model)(rec["last"])
@@ -213,6 +213,7 @@ def test_out_of_range_indices_error_before_loading(tmp_path, targets, prepared, 
     ("aux_hf_indices=[2,4]", "2 given, an EAGLE-3 drafter reads exactly 3"),
     ("aux_hf_indices=[1,2,4,5]", "4 given"),
     ("aux_hf_indices=[2,2,4]", r"\[2\] repeated"),
+    ("aux_hf_indices=[4,2,6]", "not ascending"),
     ("aux_hf_indices=2", "expected a list of 3 integers"),
     ("aux_hf_indices=[7.5,2,4]", "7.5 is not an integer"),
     ("aux_hf_indices=[0,2,4]", r"\[0\] outside 1\.\.L-1"),

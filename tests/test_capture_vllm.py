@@ -69,7 +69,9 @@ def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
     # Kimi's 61 layers, h = [2, 30, 58]: vLLM reads ids as h; the last layer's output is id L, appended last
     assert vllm_protocol.request_ids([2, 30, 58], 61) == [2, 30, 58, 61]
     assert aux_layers.hf_indices_from_ids([2, 30, 58], "vllm") == [2, 30, 58]
-    assert vllm_protocol.layer_positions([30, 2, 58], 61) == ([1, 0, 2], 3)  # file axis ascending, fc order kept
+    assert vllm_protocol.layer_positions([2, 30, 58], 61) == ([0, 1, 2], 3)  # the file's layer axis: h, then L
+    with pytest.raises(aux_layers.AuxLayerError, match="not ascending"):  # engines capture in layer order
+        vllm_protocol.layer_positions([30, 2, 58], 61)
     cmd = vllm_protocol.serve_command("/m/Kimi K2.5", [2, 30, 58, 61], "/data/hs", tensor_parallel_size=8,
                                       max_model_len=8193, trust_remote_code=True, dtype="bfloat16", host="0.0.0.0",
                                       port=8000)
@@ -125,7 +127,7 @@ def test_server_from_the_printed_command_writes_the_hf_store(tmp_path, targets, 
 
 
 def test_inprocess_engine_needs_the_package_then_matches_hf_with_fp8_aux(tmp_path, targets, prepared, monkeypatch):  # noqa: F811
-    over = ["vllm.engine=inprocess", "aux_hf_indices=[4,2,7]", "aux_dtype=float8_e4m3fn"]
+    over = ["vllm.engine=inprocess", "aux_hf_indices=[2,4,7]", "aux_dtype=float8_e4m3fn"]
     cfg = vllm_config(tmp_path, targets, prepared, "k2", overrides=over)
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(CaptureError, match=r"needs the `vllm` package.*pip install vllm==0\.34\.0"):
@@ -135,11 +137,11 @@ def test_inprocess_engine_needs_the_package_then_matches_hf_with_fp8_aux(tmp_pat
     monkeypatch.setitem(sys.modules, "vllm", fake)
     out = run_capture(cfg, Dist())
     ref = run_capture(capture_config(tmp_path, targets, prepared, "k2", out="hf",
-                                     overrides=["max_tokens_per_batch=1", "aux_hf_indices=[4,2,7]",
+                                     overrides=["max_tokens_per_batch=1", "aux_hf_indices=[2,4,7]",
                                                 "aux_dtype=float8_e4m3fn", f"limit={LIMIT}"]), Dist())
     assert_same_store(ref, out)
-    assert fake.engines[0].ids == [2, 4, 7, 8]  # ascending on the file axis; the store keeps fc's order
-    assert HiddenStateStore(out / "train").hf_indices == [4, 2, 7]
+    assert fake.engines[0].ids == [2, 4, 7, 8]  # the aux h, then id L = the last layer's raw output
+    assert HiddenStateStore(out / "train").hf_indices == [2, 4, 7]
     assert HiddenStateStore(out / "train").manifest["aux_dtype"] == "float8_e4m3fn"  # the fp8 store option
     assert_no_connector_files(cfg)
 
