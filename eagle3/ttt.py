@@ -51,8 +51,9 @@ def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.view(B, num_kv_heads, h // num_kv_heads, T, d)
 
 
-def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, h_kv, L, d] -> [B, h, L, d] (a view-expand; only copies when h_kv < h)."""
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Grouped-query keys/values for a kernel that wants one per query head: [B, h_kv, L, d] -> [B, h, L, d]
+    (a view-expand; only copies when h_kv < h). Used by every cache's `attend` (here, eval/drafter_session.py)."""
     B, hkv, L, d = x.shape
     if hkv == num_heads:
         return x
@@ -114,7 +115,7 @@ class TTTCache:
             raise ValueError(f"TTTCache attention_mask is {tuple(self.attention_mask.shape)}, queries are [{B}, {T}]")
         if self.k0 is None:
             self.k0, self.v0 = k, v
-            kr, vr = _repeat_kv(k, h), _repeat_kv(v, h)
+            kr, vr = repeat_kv(k, h), repeat_kv(v, h)
             if self.attention_mask is None:
                 return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
             return F.scaled_dot_product_attention(q, kr, vr, attn_mask=self._step0_mask(T, q.device))
@@ -144,8 +145,8 @@ class TTTCache:
         """All steps' keys in one SDPA call under the TTT mask [T, T*(k+1)]."""
         B, h, T, d = q.shape
         steps = len(self.k_diag)
-        keys = _repeat_kv(torch.cat([self.k0] + self.k_diag, dim=2), h)  # [B, h, T*(k+1), d]
-        values = _repeat_kv(torch.cat([self.v0] + self.v_diag, dim=2), h)
+        keys = repeat_kv(torch.cat([self.k0] + self.k_diag, dim=2), h)  # [B, h, T*(k+1), d]
+        values = repeat_kv(torch.cat([self.v0] + self.v_diag, dim=2), h)
         block0 = self._step0_mask(T, q.device)  # [B or 1, 1, T, T]
         eye = torch.eye(T, dtype=torch.bool, device=q.device).expand(block0.shape[0], 1, T, T)
         mask = torch.cat([block0] + [eye] * steps, dim=-1)  # [B or 1, 1, T, T*(k+1)]
@@ -197,4 +198,4 @@ class KVCache:
         L = self.length
         # query i (cache index past+i) sees keys 0..past+i
         mask = torch.arange(L, device=q.device)[None, :] <= (past + torch.arange(Tq, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, _repeat_kv(self.k, h), _repeat_kv(self.v, h), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, repeat_kv(self.k, h), repeat_kv(self.v, h), attn_mask=mask)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt import KVCache, _repeat_kv
+from eagle3.ttt import KVCache, repeat_kv
 
 
 class BeamCache:
@@ -43,7 +43,7 @@ class BeamCache:
         self.vpath = v if self.vpath is None else torch.cat([self.vpath, v], dim=2)
         keys = torch.cat([self.kp.expand(b, -1, -1, -1), self.kpath], dim=2)    # [b, h_kv, q+depth, d]
         vals = torch.cat([self.vp.expand(b, -1, -1, -1), self.vpath], dim=2)
-        return F.scaled_dot_product_attention(q, _repeat_kv(keys, h), _repeat_kv(vals, h))
+        return F.scaled_dot_product_attention(q, repeat_kv(keys, h), repeat_kv(vals, h))
 
 
 class SequenceDrafter:

@@ -64,18 +64,21 @@ class SpecResult:
                 "tok_s": 1000.0 * sum(self.emitted) / sum(cycle_ms) if cycle_ms and sum(cycle_ms) > 0 else float("nan")}
 
 
-def _eos_set(eos_token_id) -> set[int]:
-    """None | int | list of ints (HF allows all three) -> set of stop ids."""
+def eos_ids(eos_token_id) -> set[int]:
+    """The stop ids of a config's `eos_token_id`: None | int | list of ints (HF allows all three) -> set.
+    Every real decode loop (chain here, tree in eval/real_tree.py) stops on them as the baseline does."""
     if eos_token_id is None:
         return set()
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
 
 
-def _ms(t0: float) -> float:
+def elapsed_ms(t0: float) -> float:
+    """Milliseconds since `t0` (a time.perf_counter() value): the unit of every timing the loops record."""
     return 1000.0 * (time.perf_counter() - t0)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a timing covers the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -116,17 +119,17 @@ class TargetRunner:
 def greedy_decode(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> DecodeResult:
     """The target's own greedy decode (the reference and the baseline timing); stops after
     max_new_tokens or at an EOS id (int or list)."""
-    eos = _eos_set(eos_token_id)
+    eos = eos_ids(eos_token_id)
     run = TargetRunner(target, [])
     t0 = time.perf_counter()
     g, _ = run.forward(prompt, capture=False)
-    _sync(run.device)
-    res = DecodeResult(tokens=[int(g[-1])], prefill_ms=_ms(t0))
+    sync_device(run.device)
+    res = DecodeResult(tokens=[int(g[-1])], prefill_ms=elapsed_ms(t0))
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
         t0 = time.perf_counter()
         g, _ = run.forward(torch.tensor([res.tokens[-1]]), capture=False)
-        _sync(run.device)
-        res.token_ms.append(_ms(t0))
+        sync_device(run.device)
+        res.token_ms.append(elapsed_ms(t0))
         res.tokens.append(int(g[-1]))
     return res
 
@@ -141,7 +144,7 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
     hf_indices = drafter.config.aux_hf_indices
     if hf_indices is None:
         raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
-    eos = _eos_set(eos_token_id)
+    eos = eos_ids(eos_token_id)
     run = TargetRunner(target, hf_indices)
     dev = drafter.fc.weight.device
     prompt = prompt.long().reshape(-1)
@@ -157,7 +160,7 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
     q = L                                                                        # position of the last verified token
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
         remaining = max_new_tokens - len(res.tokens)
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         drafts, hj = [], h
         for j in range(num_steps):
@@ -165,15 +168,15 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
             drafts.append(int(tok))
             if j + 1 < num_steps:
                 hj = drafter.step(tok.view(1, 1).to(dev), hj, torch.tensor([[q + j]], device=dev), dcache)
-        _sync(dev)
-        res.draft_ms.append(_ms(t0))
+        sync_device(dev)
+        res.draft_ms.append(elapsed_ms(t0))
         drafts = drafts[:n]
 
         t0 = time.perf_counter()
         verify_in = torch.tensor([res.tokens[-1]] + drafts)
         g, aux = run.forward(verify_in, capture=True)                             # g[j]: target after position q+j
-        _sync(run.device)
-        res.verify_ms.append(_ms(t0))
+        sync_device(run.device)
+        res.verify_ms.append(elapsed_ms(t0))
         g = g.tolist()
         k = 0
         while k < n and drafts[k] == g[k]:
@@ -193,8 +196,8 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
         m = len(new)  # pairs (aux_{q+i}, new[i]) for i < m; the verified prefix grows by m positions
         h = drafter.step(torch.tensor(new, device=dev)[None], drafter.project_aux(aux[None, :m].to(dev)),
                          torch.arange(q, q + m, device=dev)[None], dcache)[:, -1:]
-        _sync(dev)
-        res.extend_ms.append(_ms(t0))
+        sync_device(dev)
+        res.extend_ms.append(elapsed_ms(t0))
         q += m
     return res
 

@@ -21,7 +21,7 @@ from eagle3.accept_sim import SpecKnobs, build_sglang_tree
 from eagle3.target_io import AuxHiddenCapture
 from eagle3.ttt import KVCache
 from eval.drafter_session import BeamCache
-from eval.real_loop import SpecResult, TargetRunner, _eos_set, _ms, _sync
+from eval.real_loop import SpecResult, TargetRunner, elapsed_ms, eos_ids, sync_device
 
 
 class LiveTreeDrafter:
@@ -88,7 +88,7 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
     hf_indices = drafter.config.aux_hf_indices
     if hf_indices is None:
         raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
-    eos = _eos_set(eos_token_id)
+    eos = eos_ids(eos_token_id)
     run = TargetRunner(target, hf_indices)
     dev = drafter.fc.weight.device
     dtype = run.decoder.embed_tokens.weight.dtype
@@ -104,11 +104,11 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
     q = L
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
         remaining = max_new_tokens - len(res.tokens)
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         tree = build_sglang_tree(LiveTreeDrafter(drafter, dcache, h, q, knobs.topk), knobs)
-        _sync(dev)
-        res.draft_ms.append(_ms(t0))
+        sync_device(dev)
+        res.draft_ms.append(elapsed_ms(t0))
         toks, parents = tree.tokens.tolist(), tree.parents.tolist()
 
         t0 = time.perf_counter()
@@ -119,8 +119,8 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
                               position_ids=pos, cache=run.cache, use_cache=True)
             vaux = cap.aux_concat(run.device)[0]                                    # [1+n, 3*Ht]
         g = run.head(out.last_hidden_state[0]).argmax(-1).tolist()                  # g[i]: target after node i
-        _sync(run.device)
-        res.verify_ms.append(_ms(t0))
+        sync_device(run.device)
+        res.verify_ms.append(elapsed_ms(t0))
 
         children: dict[int, dict[int, int]] = {}
         for i, (t, p) in enumerate(zip(toks, parents)):
@@ -147,7 +147,7 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
         m = len(new)
         h = drafter.step(torch.tensor(new, device=dev)[None], drafter.project_aux(vaux[rows[:m]][None].to(dev)),
                          torch.arange(q, q + m, device=dev)[None], dcache)[0, -1]
-        _sync(dev)
-        res.extend_ms.append(_ms(t0))
+        sync_device(dev)
+        res.extend_ms.append(elapsed_ms(t0))
         q += m
     return res

@@ -9,7 +9,7 @@ from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.target_io import load_embed_tokens, load_lm_head_rows, load_target
 from eagle3.unroll import ttt_unroll
 from eval.real_check import capture_sequence, real_vs_simulated
-from eval.real_loop import greedy_decode, speculative_decode
+from eval.real_loop import eos_ids, greedy_decode, speculative_decode
 from tests.conftest import TINY_TARGET_HIDDEN, TINY_VOCAB
 
 AUX_H = [2, 4, 5]  # hidden-state indices h (SGLang's default for the tiny targets' 8 layers)
@@ -115,3 +115,7 @@ def test_fitted_drafter_is_lossless_and_real_equals_simulated(target, fitted):
         assert abs(r["real_accept_length"] - r["sim_accept_length"]) <= 0.05
         assert r["cycles"] == r["sim_cycles"]
         assert r["verify_ms"] > 0 and r["prediction_from_measured"]["spec_tok_s"] > 0
+
+
+def test_eos_ids_reads_every_form_hf_allows():
+    assert eos_ids(None) == set() and eos_ids(7) == {7} and eos_ids([7, 9]) == {7, 9}

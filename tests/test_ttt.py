@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from eagle3.ttt import KVCache, TTTCache, ttt_attention_mask, ttt_position_ids
+from eagle3.ttt import KVCache, TTTCache, repeat_kv, ttt_attention_mask, ttt_position_ids
 
 
 def test_mask_small_case_by_hand():
@@ -148,3 +148,9 @@ def test_ttt_step_shape_mismatch_is_an_error():
     cache.attend(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
     with pytest.raises(ValueError, match="step 1"):
         cache.attend(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
+
+
+def test_repeat_kv_gives_each_query_head_its_group_key():
+    x = torch.randn(2, 3, 5, 4)                                    # [B, h_kv, L, d]
+    assert torch.equal(repeat_kv(x, 6), x.repeat_interleave(2, dim=1))  # query head i reads KV head i // 2
+    assert repeat_kv(x, 3) is x                                    # h_kv == h: no copy
