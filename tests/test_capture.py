@@ -461,3 +461,29 @@ def test_kimi_ids_capture_h_2_30_58_and_export_as_1_29_57(tmp_path, target_61, p
     sp = json.loads((exported / "speculators" / "config.json").read_text())
     assert aux_layers.hf_indices_from_ids(sp["eagle_aux_hidden_state_layer_ids"], "vllm") == [2, 30, 58]
     assert "[1, 29, 57] (mean h = [2, 30, 58] in every version)" in (exported / "SERVE.md").read_text()
+
+
+def test_states_no_sglang_id_list_means_in_every_version_export_with_the_version_requirement(
+        tmp_path, target_61, prepared):
+    """h = [3, 31, 59] (the old reading of ids [2, 30, 58]): no id list means it in both SGLang rules, so the
+    export writes the current rule's ids and says which SGLang reads them so, in the config and SERVE.md."""
+    from eagle3 import aux_layers
+    from eagle3.drafter_io import save_drafter_dir
+    from eagle3.init_drafter import build_training_drafter
+    from eval.export import run_export
+
+    from tests.faults.fault_helpers import export_config
+
+    cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={target_61}", f"target.tokenizer={target_61}",
+                              "target.layout=kimi_k25", f"in_dir={prepared}", f"out_dir={tmp_path / 'capture'}",
+                              "dtype=float32", "progress=false", "limit=3", "aux_hf_indices=[3,31,59]"])
+    out = run_capture(to_schema(cfg, CaptureConfig), Dist())
+    drafter, _ = build_training_drafter("scratch", None, target_61, "kimi_k25", torch.arange(0, 512, 8), [3, 31, 59])
+    ckpt = save_drafter_dir(drafter, tmp_path / "ckpt" / "final", dtype=torch.float32)
+    exported = run_export(export_config({"target": target_61, "capture": out}, ckpt, tmp_path / "export",
+                                        "format=sglang", f"target.path={target_61}", "use_eval_report=false"))
+    sg = json.loads((exported / "config.json").read_text())
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]
+    assert aux_layers.hf_indices_from_ids([3, 31, 59], "sglang") == [3, 31, 59]
+    assert sg[aux_layers.META_KEY]["sglang_versions"] == aux_layers.SGLANG_RULE_CHANGE
+    assert f"mean h = [3, 31, 59] in {aux_layers.SGLANG_RULE_CHANGE}" in (exported / "SERVE.md").read_text()
