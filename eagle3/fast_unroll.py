@@ -36,7 +36,7 @@ from eagle3.ttt import TTTCache
 from eagle3.attention_check import checked_attention_kernel
 from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
                               kernel_inputs)
-from eagle3.unroll import UnrollOutput, check_unroll_inputs, teacher_probs
+from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
 def compute_dtype(reference: torch.Tensor) -> torch.dtype:

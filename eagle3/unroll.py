@@ -18,32 +18,15 @@ Imports only torch (core code).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from eagle3.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights, teacher_logits
+from eagle3.fast_unroll import ttt_unroll_fast
+from eagle3.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights
 from eagle3.ttt import TTTCache, ttt_position_ids
-
-
-@dataclass
-class UnrollOutput:
-    loss: torch.Tensor          # fp32 scalar, differentiable: sum_k w_k * loss_sum[k] / denominators[k]
-    loss_sum: torch.Tensor      # fp32 [K] summed soft CE per step (detached)
-    correct: torch.Tensor       # fp32 [K] positions where the draft argmax (via d2t) == target argmax
-    count: torch.Tensor         # fp32 [K] valid positions per step
-
-    @property
-    def step_loss(self) -> torch.Tensor:
-        """Mean soft CE per step over this batch's valid positions, fp32 [K] (0 where none)."""
-        return self.loss_sum / self.count.clamp(min=1)
-
-    @property
-    def step_acc(self) -> torch.Tensor:
-        """Top-1 accuracy per step over this batch's valid positions, fp32 [K]."""
-        return self.correct / self.count.clamp(min=1)
+from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, teacher_probs
 
 
 def step_position_counts(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor,
@@ -52,32 +35,6 @@ def step_position_counts(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t
     normalise over a whole optimizer step before running the micro-batches."""
     return torch.stack([loss_positions(loss_mask, target_argmax, t2d, k).sum() for k in range(ttt_length)]
                        ).to(torch.float32)
-
-
-def check_unroll_inputs(name: str, aux, input_ids, last, target_argmax, loss_mask, ttt_length: int) -> None:
-    """ValueError naming what disagrees: every per-position tensor is [B, T, ...] as input_ids."""
-    B, T = input_ids.shape
-    if aux.shape[:2] != (B, T) or last.shape[:2] != (B, T) or target_argmax.shape != (B, T) \
-            or loss_mask.shape != (B, T):
-        raise ValueError(f"{name}: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux "
-                         f"{tuple(aux.shape)}, last {tuple(last.shape)}, target_argmax {tuple(target_argmax.shape)}, "
-                         f"loss_mask {tuple(loss_mask.shape)}")
-    if ttt_length < 1:
-        raise ValueError(f"ttt_length={ttt_length}: must be >= 1")
-
-
-@torch.no_grad()
-def teacher_probs(last: torch.Tensor, lm_head_rows: torch.Tensor, loss_mask: torch.Tensor,
-                  target_argmax: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher distribution where any TTT step needs it: positions s = t+k+1 with
-    loss_mask[s+1] & t2d[argmax_s] (the step "-1" mask), computed once, M rows instead of B*T.
-    Returns (fp32 [M, draft_V] probabilities, Long [B*T] row of each flat position, -1 where none)."""
-    B, T = loss_mask.shape
-    flat = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1).nonzero().squeeze(1)  # [M]
-    probs = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)
-    row_of = torch.full((B * T,), -1, dtype=torch.long, device=loss_mask.device)
-    row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)
-    return probs, row_of
 
 
 def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
@@ -165,7 +122,7 @@ class TTTObjective(nn.Module):
                 step_denominators: Optional[torch.Tensor] = None) -> UnrollOutput:
         unroll, extra = ttt_unroll, {}
         if self.resolved_impl(batch) == "fast":
-            from eagle3.fast_unroll import ttt_unroll_fast as unroll
+            unroll = ttt_unroll_fast
             extra = {"compiled": self.compile, "attention_kernel": self.attention_kernel}
         return unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
                       batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,

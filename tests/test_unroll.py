@@ -2,7 +2,9 @@
 step recomputed from scratch over the concatenation of all earlier steps' inputs with an explicit
 full attention mask (no TTT cache), teacher from the *full* target head, masks and weights from
 DESIGN.md's formula evaluated position by position."""
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +189,13 @@ def test_unroll_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="shapes disagree"):
         ttt_unroll(model, batch["aux"][:, :5], batch["input_ids"], batch["last"], batch["target_argmax"],
                    batch["loss_mask"], torch.randn(DV, H), 2)
+
+
+def test_the_two_unrolls_do_not_import_each_other():
+    """unroll.py (reference + the TTTObjective dispatcher) imports fast_unroll.py; both share unroll_common.py,
+    which imports neither, and fast_unroll imports nothing of unroll.py (at module or function level)."""
+    def eagle3_imports(name):
+        tree = ast.parse((Path(__file__).parents[1] / "eagle3" / f"{name}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("eagle3")}
+    assert "eagle3.unroll" not in eagle3_imports("fast_unroll") and "eagle3.unroll_common" in eagle3_imports("fast_unroll")
+    assert not {"eagle3.unroll", "eagle3.fast_unroll"} & eagle3_imports("unroll_common")
