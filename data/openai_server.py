@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.choices import TARGET_LAYOUTS  # noqa: E402
+
 ACTIONS = ("ok", "500", "502", "503", "429", "reset", "hang", "malformed", "truncated", "empty", "slow")
 
 # generate(messages, max_tokens, temperature, top_p, seed) -> (text, finish_reason[, reasoning])
@@ -260,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--target", help="target model directory")
     ap.add_argument("--echo", action="store_true", help="serve the model-free echo generator instead of a target")
     ap.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
-    ap.add_argument("--layout", default="kimi_k25", choices=("kimi_k25", "causal_lm"))
+    ap.add_argument("--layout", default="kimi_k25", choices=TARGET_LAYOUTS)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)

@@ -1,11 +1,19 @@
-"""Config plumbing shared by every stage: the `repo_root` resolver, composing a stage's
-primary config (for tests and the demo), and turning a DictConfig into its typed schema.
+"""Config plumbing shared by every stage: the `repo_root` resolver, the stage schemas as Hydra's
+base configs, composing a stage's primary config (for tests and the demo), and turning a DictConfig
+into its typed schema.
+
+One source of defaults: a stage's typed schema (eagle3/schema/<stage>.py) is stored in Hydra's
+ConfigStore as `schema/<stage>`, and `conf/<stage>.yaml` names it first in its defaults list, so the
+composed config starts from the dataclass defaults; the YAML adds only the config groups (paths,
+target, init, demo_size, ...) and the paths that derive from them. tests/test_config_defaults.py
+keeps it so.
 
 Imports hydra/omegaconf, so only entry points and stage code use it; the core math does not.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +31,43 @@ if not OmegaConf.has_resolver("repo_root"):
 
 class ConfigError(StageError, ValueError):
     """A configuration that cannot be used, with the reason in the message (one line)."""
+
+
+SCHEMA_GROUP = "schema"  # conf/<stage>.yaml's first default: `- schema/<stage>`
+_STAGE_SCHEMAS: dict[str, type] = {}
+
+
+def register_stage(stage: str, schema: type) -> None:
+    """Make the dataclass `schema`'s defaults the base of `conf/<stage>.yaml` (ConfigStore
+    `schema/<stage>`, at the config's root). Each schema module calls it when imported; entry scripts
+    import their schema before `@hydra.main` composes, and `compose` imports it by the stage's name.
+
+    Stored as plain values ("???" where a field has no default), not as the dataclass: a typed
+    composition would make Hydra refuse a bad value (`seed=abc`) before the entry script runs, with
+    its own multi-line message, where `to_schema` reports it as the stage's one-line ConfigError."""
+    from hydra.core.config_store import ConfigStore
+
+    _STAGE_SCHEMAS[stage] = schema
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
+    ConfigStore.instance().store(group=SCHEMA_GROUP, name=stage, node=defaults, package="_global_")
+
+
+def _import_schema(stage: str) -> None:
+    """Import eagle3/schema/<stage>.py (registering its schema), if there is one."""
+    module = f"eagle3.schema.{stage}"
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+
+
+def stage_schema(stage: str) -> type:
+    """The typed schema of a stage: registered by eagle3/schema/<stage>.py."""
+    _import_schema(stage)
+    if stage not in _STAGE_SCHEMAS:
+        raise ConfigError(f"no config schema for stage {stage!r} (eagle3/schema/{stage}.py registers none)")
+    return _STAGE_SCHEMAS[stage]
 
 
 def to_schema(cfg: DictConfig | dict, schema: type[T]) -> T:
@@ -64,6 +109,7 @@ def _validate_tree(obj: Any) -> None:
 def compose(stage: str, overrides: list[str] | None = None) -> DictConfig:
     """Compose `conf/<stage>.yaml` with overrides, as `@hydra.main` would (used by tests/demo).
     A bad override (unknown key, unparsable value, missing config group) is a ConfigError."""
+    _import_schema(stage)  # its base config (schema/<stage>) must be in the ConfigStore before Hydra reads the YAML
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException

@@ -27,9 +27,9 @@ import torch
 
 from eagle3 import aux_layers, drafter_keys, vocab_map
 from eagle3.model import DEFAULT_ROPE_THETA, config_sizes, rope_settings
+from eagle3.choices import EXPORT_FORMAT_CHOICES, EXPORT_FORMATS
 
-FORMATS = ("sglang", "speculators")
-FORMAT_CHOICES = FORMATS + ("both",)
+FORMATS, FORMAT_CHOICES = EXPORT_FORMATS, EXPORT_FORMAT_CHOICES  # export.format's choices (eagle3/choices.py)
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SGLANG_ARCH = "LlamaForCausalLMEagle3"

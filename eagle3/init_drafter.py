@@ -27,12 +27,12 @@ from typing import Optional
 import torch
 
 from eagle3 import aux_layers, target_io
+from eagle3.choices import INITS
 from eagle3.drafter_io import check_drafter_dir, load_drafter_dir, raise_on_fatal, torch_dtype
 from eagle3.model import ROPE_TYPES, DrafterConfig, Eagle3Drafter, rope_settings, rope_type_of
 from eagle3.remap import remap_lm_head
 from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
 
-INITS = ("aqmedai_k2", "scratch")
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 
 

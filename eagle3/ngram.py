@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.accept_sim import DraftTree
+from eagle3.choices import NGRAM_PREFER
 
 
 def ngram_propose(prefix: torch.Tensor, num_draft: int, max_ngram: int = 3, min_ngram: int = 1,
@@ -20,8 +21,8 @@ def ngram_propose(prefix: torch.Tensor, num_draft: int, max_ngram: int = 3, min_
     """prefix Long [L] (the verified tokens, last = the newest); returns Long [<= num_draft]."""
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"ngram sizes: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
-    if prefer not in ("recent", "first"):
-        raise ValueError(f"ngram prefer={prefer!r}: expected 'recent' or 'first'")
+    if prefer not in NGRAM_PREFER:
+        raise ValueError(f"ngram prefer={prefer!r}: expected one of {NGRAM_PREFER}")
     x = prefix.long().reshape(-1)
     L = x.numel()
     empty = x.new_zeros(0)
@@ -51,8 +52,8 @@ class PromptLookup:
                  prefer: str = "recent"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
-        if prefer not in ("recent", "first"):
-            raise ValueError(f"ngram prefer={prefer!r}: expected 'recent' or 'first'")
+        if prefer not in NGRAM_PREFER:
+            raise ValueError(f"ngram prefer={prefer!r}: expected one of {NGRAM_PREFER}")
         self.x = tokens.long().reshape(-1).tolist()
         self.num_draft, self.sizes, self.recent = num_draft, range(max_ngram, min_ngram - 1, -1), prefer == "recent"
         self._reset()

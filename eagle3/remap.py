@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-NEW_ROW_RULES = ("target_lm_head", "mean", "zeros")
+from eagle3.choices import NEW_ROW_RULES  # init.new_row_init's choices
 
 
 def _positions(ids: torch.Tensor, size: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.choices import STORE_VERIFY
 from eagle3.fp8 import dequantise_rows
 from eagle3.store_format import (AUX_FP8, DTYPES, HEADER_KEYS, MANIFEST, STORE_FORMAT, STORE_VERSION,
                                  NonFiniteHiddenStateError, StoreError, StoreMismatchError, header_value,
@@ -54,8 +55,8 @@ class HiddenStateStore:
     error unless allow_incomplete=True."""
 
     def __init__(self, store_dir: str | Path, verify: str = "size", allow_incomplete: bool = False):
-        if verify not in ("size", "sha256", "none"):
-            raise ValueError(f"verify={verify!r}: expected 'size', 'sha256' or 'none'")
+        if verify not in STORE_VERIFY:
+            raise ValueError(f"verify={verify!r}: expected one of {STORE_VERIFY}")
         self.dir = Path(store_dir)
         self.manifest = read_store_manifest(self.dir)
         if not self.manifest.get("complete") and not allow_incomplete:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from eagle3.choices import AUX_FP8  # noqa: F401  (capture.aux_dtype's one quantised format; re-exported)
 from eagle3.errors import StageError
 
 STORE_FORMAT = "eagle3-hidden-state-store"
 STORE_VERSION = 1  # raise when a reader of today would misread a new store; readers refuse newer versions
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-AUX_FP8 = "float8_e4m3fn"  # the one quantised aux format: fp8 codes + one fp32 scale per (token, layer) row
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
 HEADER_KEYS = ("hidden_size", "target_hidden_size", "hf_indices", "dtype", "aux_dtype",
                "shard_tokens", "meta")

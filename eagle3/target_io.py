@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 
 from eagle3 import release_format
+from eagle3.choices import TARGET_LAYOUTS as LAYOUTS
 from eagle3.errors import StageError
 
-LAYOUTS = ("kimi_k25", "causal_lm")
 REQUIRED_TEXT_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
 
 # Checkpoint names for the tensors other stages read without loading the model, per layout

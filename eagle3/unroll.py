@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from eagle3.choices import UNROLLS
 from eagle3.fast_unroll import ttt_unroll_fast
 from eagle3.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights
 from eagle3.ttt import TTTCache, ttt_position_ids
@@ -93,7 +94,7 @@ class TTTObjective(nn.Module):
     `forward` (they only sync/unshard around `forward`, not around `project_aux`/`step`).
     Holds no state of its own; `lm_head_rows` is passed in (frozen teacher rows, not trained)."""
 
-    IMPLS = ("auto", "fast", "reference")
+    IMPLS = UNROLLS  # the train config's `unroll` choices (eagle3/choices.py)
 
     def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8, impl: str = "auto",
                  compile: bool = False, attention_kernel: str = "auto"):

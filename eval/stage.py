@@ -114,7 +114,8 @@ def _log_wandb(cfg: EvalConfig, report: dict, out_dir: Path, plots: dict) -> Opt
     try:
         import wandb
 
-        run = wandb.init(project=cfg.wandb.project, name=f"eval-{cfg.name}", dir=str(out_dir), mode=cfg.wandb.mode,
+        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or f"eval-{cfg.name}",
+                         group=cfg.wandb.group, tags=list(cfg.wandb.tags), dir=str(out_dir), mode=cfg.wandb.mode,
                          config=as_plain_dict(cfg), reinit=True)
         flat = {f"eval/{label}/{name}/accept_length": e[name]["accept_length"]
                 for label, e in report["accept"].items() for name in ("drafter", "ngram")}

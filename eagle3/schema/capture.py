@@ -7,13 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from eagle3 import aux_layers
-from eagle3.conf import ConfigError
+from eagle3.choices import AUX_DTYPES, CAPTURE_BACKENDS, FLOAT_DTYPES, OVERLONG_POLICIES, SPLITS
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
-from eagle3.schema.capture_vllm import CAPTURE_BACKENDS, VllmCaptureConf
-
-STORE_DTYPES = ("bfloat16", "float16", "float32")
-AUX_DTYPES = ("float8_e4m3fn",)  # besides null (= dtype): fp8 codes + one fp32 scale per (token, layer)
-OVERLONG_POLICIES = ("truncate", "skip")
+from eagle3.schema.capture_vllm import VllmCaptureConf
 
 
 @dataclass
@@ -28,12 +25,16 @@ class CaptureConfig:
     # that a bad override gets the one-line message of aux_layers.as_int_list, not OmegaConf's.
     aux_hf_indices: Optional[Any] = None
     splits: List[str] = field(default_factory=lambda: ["train", "validation"])
-    dtype: str = "bfloat16"  # stored aux / last states (the target itself runs in target.dtype)
+    dtype: str = "bfloat16"  # stored aux / last states: bfloat16 | float16 | float32 (the target runs in target.dtype)
     # null: aux in `dtype`; float8_e4m3fn: aux as fp8 with one fp32 scale per (token, layer) row, about half
-    # the store's aux bytes, dequantised to `dtype` on read (`last` stays in `dtype`: the teacher's input)
+    # the store's aux bytes, dequantised to `dtype` on read (`last` stays in `dtype`: the teacher's input;
+    # benchmarks/FP8_STORE.md)
     aux_dtype: Optional[str] = None
-    max_tokens_per_batch: int = 8192  # padded tokens per forward pass (sequences sorted by length)
-    shard_tokens: int = 65536  # tokens per store shard
+    # padded tokens per forward pass (sequences sorted by length); raise on big GPUs: 16384+ for K2.5 on 8 x H200
+    max_tokens_per_batch: int = 8192
+    # tokens per store shard (K2.5: 65536 x 57 KB = 3.7 GB shards; on GPU two shard buffers are pinned
+    # host memory: 2 x 3.7 GB per process)
+    shard_tokens: int = 65536
     limit: Optional[int] = None  # at most this many sequences per split (null = all)
     max_seq_len: Optional[int] = None  # null: the target's max_position_embeddings
     on_overlong: str = "truncate"  # truncate | skip (counted either way)
@@ -42,14 +43,16 @@ class CaptureConfig:
     progress: bool = True
     seed: int = 0
     init: Optional[InitConf] = None  # +init=aqmedai_k2: take the aux layer ids from that drafter
-    backend: str = "hf"  # hf: transformers forward with hooks | vllm: a vLLM engine (data/capture_vllm.py)
+    # hf: transformers forward with hooks | vllm: a vLLM engine's extract_hidden_states (data/capture_vllm.py;
+    # README "Capture through vLLM")
+    backend: str = "hf"
     vllm: VllmCaptureConf = field(default_factory=VllmCaptureConf)  # the engine of backend=vllm
 
     def validate(self) -> None:
         if self.backend not in CAPTURE_BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: expected one of {CAPTURE_BACKENDS}")
-        if self.dtype not in STORE_DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {STORE_DTYPES}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
         if self.aux_dtype is not None and self.aux_dtype not in AUX_DTYPES:
             raise ConfigError(f"aux_dtype={self.aux_dtype!r}: expected null (= dtype) or one of {AUX_DTYPES}")
         if self.on_overlong not in OVERLONG_POLICIES:
@@ -61,12 +64,15 @@ class CaptureConfig:
             raise ConfigError(f"limit={self.limit}: must be >= 0 or null")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"max_seq_len={self.max_seq_len}: must be >= 1 or null")
-        bad = [s for s in self.splits if s not in ("train", "validation")]
+        bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
-            raise ConfigError(f"splits={self.splits}: expected a non-empty subset of ['train', 'validation']")
+            raise ConfigError(f"splits={self.splits}: expected a non-empty subset of {list(SPLITS)}")
         if self.aux_hf_indices is not None:
             try:  # the count/type/duplicate checks; the range needs the target's layer count (capture checks it)
                 self.aux_hf_indices = aux_layers.as_int_list(self.aux_hf_indices, "aux_hf_indices")
                 aux_layers.validate_hf_indices(self.aux_hf_indices, None, "aux_hf_indices")
             except aux_layers.AuxLayerError as e:
                 raise ConfigError(str(e)) from e
+
+
+register_stage("capture", CaptureConfig)

@@ -5,11 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from eagle3.choices import DEVICES, VLLM_ENGINES
 from eagle3.conf import ConfigError
-
-CAPTURE_BACKENDS = ("hf", "vllm")  # hf: transformers forward with hooks; vllm: vLLM's extract_hidden_states
-VLLM_ENGINES = ("server", "inprocess")
-HEAD_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -31,8 +28,8 @@ class VllmCaptureConf:
     def validate(self) -> None:
         if self.engine not in VLLM_ENGINES:
             raise ConfigError(f"vllm.engine={self.engine!r}: expected one of {VLLM_ENGINES}")
-        if self.head_device not in HEAD_DEVICES:
-            raise ConfigError(f"vllm.head_device={self.head_device!r}: expected one of {HEAD_DEVICES}")
+        if self.head_device not in DEVICES:
+            raise ConfigError(f"vllm.head_device={self.head_device!r}: expected one of {DEVICES}")
         for name in ("tensor_parallel_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"vllm.{name}={getattr(self, name)}: must be >= 1")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from eagle3 import aux_layers
-from eagle3.conf import ConfigError
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -14,8 +14,10 @@ class CheckConfig:
     paths: PathsConf
     target: TargetConf
     drafter_dir: str                    # the drafter directory to check (default: the target's K2 drafter)
-    capture_dir: Optional[str] = None   # when it holds a finished capture: the drafter's h must equal the captured h
-    aux_id_rule: str = aux_layers.DEFAULT_RULE  # how the drafter's config ids are read as h (aux_layers.RULES)
+    capture_dir: Optional[str]          # when it holds a finished capture: the drafter's h must equal the captured h (null: no check)
+    # how the drafter's config.json aux layer ids are read as HF hidden-state indices h: sglang (current
+    # SGLang, PR #25454+) | sglang_legacy | vllm (eagle3/aux_layers.py)
+    aux_id_rule: str = aux_layers.DEFAULT_RULE
     fail_on_warnings: bool = False      # exit non-zero on warnings too (e.g. before shipping)
     seed: int = 0
     init: Optional[InitConf] = None
@@ -23,3 +25,6 @@ class CheckConfig:
     def validate(self) -> None:
         if self.aux_id_rule not in aux_layers.RULES:
             raise ConfigError(f"aux_id_rule={self.aux_id_rule!r}: expected one of {aux_layers.RULES}")
+
+
+register_stage("check", CheckConfig)

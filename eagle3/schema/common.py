@@ -1,14 +1,13 @@
-"""Schemas of the shared config groups: paths, target, init."""
+"""Schemas of the shared config groups (paths, target, init) and of the parts several stages share
+(wandb)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from eagle3 import aux_layers
+from eagle3.choices import FLOAT_DTYPES, NEW_ROW_RULES, TARGET_LAYOUTS, WANDB_MODES
 from eagle3.conf import ConfigError
-
-TARGET_LAYOUTS = ("kimi_k25", "causal_lm")
-TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -33,18 +32,15 @@ class TargetConf:
     def validate(self) -> None:
         if self.layout not in TARGET_LAYOUTS:
             raise ConfigError(f"target.layout={self.layout!r}: expected one of {TARGET_LAYOUTS}")
-        if self.dtype not in TORCH_DTYPES:
-            raise ConfigError(f"target.dtype={self.dtype!r}: expected one of {TORCH_DTYPES}")
-
-
-INIT_NEW_ROW_RULES = ("target_lm_head", "mean", "zeros")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"target.dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
 
 
 @dataclass
 class InitConf:
     name: str
     drafter_path: Optional[str] = None
-    new_row_init: str = "target_lm_head"
+    new_row_init: str = "target_lm_head"  # lm_head rows of tokens new to the draft vocab (eagle3/remap.py)
     # How the init drafter's config.json aux layer ids become hidden-state indices h: the reading of the
     # engine it was trained for (eagle3/aux_layers.py). sglang = current SGLang (PR #25454+).
     aux_id_rule: str = aux_layers.DEFAULT_RULE
@@ -52,7 +48,22 @@ class InitConf:
     def validate(self) -> None:
         if self.aux_id_rule not in aux_layers.RULES:
             raise ConfigError(f"init.aux_id_rule={self.aux_id_rule!r}: expected one of {aux_layers.RULES}")
-        if self.new_row_init not in INIT_NEW_ROW_RULES:
-            raise ConfigError(f"init.new_row_init={self.new_row_init!r}: expected one of {INIT_NEW_ROW_RULES}")
+        if self.new_row_init not in NEW_ROW_RULES:
+            raise ConfigError(f"init.new_row_init={self.new_row_init!r}: expected one of {NEW_ROW_RULES}")
         if self.name != "scratch" and not self.drafter_path:
             raise ConfigError(f"init={self.name} needs init.drafter_path (the drafter directory to start from)")
+
+
+@dataclass
+class WandbConf:
+    """Weights & Biases logging of a stage (train, eval, the study)."""
+    mode: str = "offline"                 # offline: runs land under the stage's out_dir (`wandb sync` to upload) | online | disabled
+    project: str = "eagle3-finetune"
+    entity: Optional[str] = None
+    name: Optional[str] = None            # default: the stage's own run name (train: its out_dir's name)
+    group: Optional[str] = None           # runs that belong together on the dashboard (the study: the init)
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")

@@ -1,8 +1,10 @@
+"""Schema of `make demo` (conf/demo.yaml, eval/demo.py): the whole pipeline on the mini world. The
+sizes (train_steps, the per-stage overrides) come from the demo_size group: cpu (default) | ci | gpu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle3.conf import ConfigError
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import PathsConf
 
 
@@ -26,7 +28,9 @@ class DemoConfig:
     train_steps: int
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seed: int = 0
-    num_threads: int = 0  # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
+    # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py): all cores when idle OpenMP threads
+    # sleep (eval/run_demo.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets one)
+    num_threads: int = 0
 
     def validate(self) -> None:
         # checked before the demo builds anything (the mini world alone takes minutes)
@@ -34,3 +38,6 @@ class DemoConfig:
             raise ConfigError(f"train_steps={self.train_steps}: must be >= 1")
         if self.num_threads < 0:
             raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
+
+
+register_stage("demo", DemoConfig)

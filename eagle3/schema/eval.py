@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from eagle3.conf import ConfigError
-from eagle3.schema.common import InitConf, PathsConf, TargetConf
-
-EVAL_DEVICES = ("cpu", "cuda", "auto")
-DRAFTER_DTYPES = ("float32", "bfloat16", "float16")
-WANDB_MODES = ("disabled", "offline", "online")
-NGRAM_PREFER = ("recent", "first")
+from eagle3.choices import DEVICES, FLOAT_DTYPES, NGRAM_PREFER
+from eagle3.conf import ConfigError, register_stage
+from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
 
 @dataclass
@@ -59,7 +55,7 @@ class RealLoopConf:
 @dataclass
 class CostConf:
     """Latencies for the verdict. `preset` names eagle3.cost_model.PRESETS; a non-null field overrides it."""
-    preset: Optional[str] = "account_8gpu_pcie"
+    preset: Optional[str] = "account_8gpu_pcie"  # 82 tok/s baseline, ~30 ms per verify cycle (8 GPUs over PCIe)
     baseline_tok_s: Optional[float] = None
     verify_ms: Optional[float] = None
     verify_ms_per_token: Optional[float] = None
@@ -76,16 +72,6 @@ class CostConf:
 
 
 @dataclass
-class WandbConf:
-    mode: str = "offline"
-    project: str = "eagle3-finetune"
-
-    def validate(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
-
-
-@dataclass
 class EvalConfig:
     paths: PathsConf
     target: TargetConf
@@ -95,14 +81,16 @@ class EvalConfig:
     capture_dir: str            # the capture stage directory; the store read is <capture_dir>/<split>
     out_dir: str
     split: str = "validation"
-    device: str = "auto"
+    device: str = "auto"        # auto | cpu | cuda
     dtype: str = "float32"      # the drafter's dtype during eval
-    max_sequences: Optional[int] = None
+    max_sequences: Optional[int] = None  # null: the whole split
     ttt_length: int = 7
-    knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 1, 4)])
+    # SGLang --speculative-num-steps / -eagle-topk / -num-draft-tokens: the account's setting,
+    # AQ-MedAI's published one, and a small tree (the README's table has a column for each)
+    knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 1, 4), KnobConf(3, 2, 6)])
     ngram: NgramConf = field(default_factory=NgramConf)
     real_loop: RealLoopConf = field(default_factory=RealLoopConf)
-    cost: CostConf = field(default_factory=CostConf)
+    cost: CostConf = field(default_factory=CostConf)  # the server the verdict is for; null fields come from the preset
     wandb: WandbConf = field(default_factory=WandbConf)
     progress: bool = True
     force: bool = False         # redo even when a finished eval with the same config and inputs exists
@@ -110,10 +98,10 @@ class EvalConfig:
     init: Optional[InitConf] = None
 
     def validate(self) -> None:
-        if self.device not in EVAL_DEVICES:
-            raise ConfigError(f"device={self.device!r}: expected one of {EVAL_DEVICES}")
-        if self.dtype not in DRAFTER_DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {DRAFTER_DTYPES}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r}: expected one of {DEVICES}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
         if not self.knobs:
             raise ConfigError("knobs: give at least one {num_steps, topk, num_draft_tokens} setting")
         for knob in self.knobs:  # to_schema's tree walk does not descend into lists
@@ -124,3 +112,6 @@ class EvalConfig:
             raise ConfigError(f"max_sequences={self.max_sequences}: must be >= 1 or null")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty directory name (eval-<name>) is needed")
+
+
+register_stage("eval", EvalConfig)

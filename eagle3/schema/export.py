@@ -1,14 +1,13 @@
+"""Schema of `make export` (conf/export.yaml): the trained drafter -> a directory SGLang serves (and a
+vLLM speculators one), checked by a logit round trip, with SERVE.md's launch command."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eagle3.conf import ConfigError
+from eagle3.choices import EXPORT_FORMAT_CHOICES, FLOAT_DTYPES
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
-
-EXPORT_FORMATS = ("sglang", "speculators", "both")
-EXPORT_DTYPES = ("bfloat16", "float16", "float32")
-
 
 @dataclass
 class ServeConf:
@@ -33,13 +32,13 @@ class ServeConf:
 class ExportConfig:
     paths: PathsConf
     target: TargetConf
-    name: str
+    name: str                             # train-<name>/final: the init's name (+init=scratch exports the scratch run)
     checkpoint_dir: str
-    capture_dir: str
-    eval_dir: str
+    capture_dir: str                      # its layer ids go into the config; its validation split feeds the round trip
+    eval_dir: str                         # the eval stage's report.json names the best knobs (absent: `serve`)
     out_dir: str
-    format: str = "both"
-    dtype: str = "bfloat16"
+    format: str = "both"                  # sglang | speculators | both (speculators goes to <out_dir>/speculators)
+    dtype: str = "bfloat16"               # weights; d2t is always int64, t2d bool
     # null: the target's context length (its max_position_embeddings); a larger value is allowed
     max_position_embeddings: Optional[int] = None
     # also write the target's embed_tokens.weight into speculators/: speculators' own Python API
@@ -54,12 +53,15 @@ class ExportConfig:
     init: Optional[InitConf] = None
 
     def validate(self) -> None:
-        if self.format not in EXPORT_FORMATS:
-            raise ConfigError(f"export.format={self.format!r}: expected one of {EXPORT_FORMATS}")
-        if self.dtype not in EXPORT_DTYPES:
-            raise ConfigError(f"export.dtype={self.dtype!r}: expected one of {EXPORT_DTYPES}")
+        if self.format not in EXPORT_FORMAT_CHOICES:
+            raise ConfigError(f"export.format={self.format!r}: expected one of {EXPORT_FORMAT_CHOICES}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"export.dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
         if self.verify_sequences < 0 or self.verify_tokens < 2:
             raise ConfigError(f"verify_sequences={self.verify_sequences} must be >= 0 and "
                               f"verify_tokens={self.verify_tokens} >= 2")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ConfigError(f"max_position_embeddings={self.max_position_embeddings} must be positive (or null)")
+
+
+register_stage("export", ExportConfig)

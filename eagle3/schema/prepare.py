@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eagle3.conf import ConfigError
+from eagle3.choices import OVERLONG_POLICIES, REGEN_BACKENDS
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
-
-REGEN_BACKENDS = ("none", "hf", "openai")
-OVERLONG_POLICIES = ("truncate", "skip")
 
 
 @dataclass
@@ -34,14 +32,15 @@ class OpenAIBackendConf:
 
 @dataclass
 class RegenerateConf:
-    backend: str = "none"  # none | hf | openai
+    backend: str = "none"  # none | hf (local, batched) | openai (any /v1/chat/completions server)
     temperature: float = 0.0  # 0 = greedy (the default: the drafter learns the target's argmax path)
     top_p: float = 1.0
     max_new_tokens: int = 256
     batch_size: int = 8  # hf backend: conversations generated together (left-padded)
     max_conversations: Optional[int] = None  # regenerate (and keep) only the first N valid conversations
     seed: int = 0
-    out_file: Optional[str] = None  # finished conversations (JSONL, appended + fsynced); default under out_dir
+    # finished conversations (JSONL, appended + fsynced); null: <out_dir>/regenerated/<backend>-<settings hash>.jsonl
+    out_file: Optional[str] = None
     # hf backend: keep (and generate) an answer only as far as its text re-tokenizes to the generated
     # tokens, so the stored turns are exactly the target's greedy output (data/round_trip.py)
     cut_at_round_trip: bool = True
@@ -60,9 +59,11 @@ class RegenerateConf:
 class PrepareConfig:
     paths: PathsConf
     target: TargetConf
-    input: str  # ShareGPT JSON array / JSONL file, or a HF dataset directory
+    input: str  # ShareGPT JSON array / JSONL file (the mini world's corpus by default), or a HF dataset directory
     out_dir: str
-    max_length: int = 2048  # tokens per sequence after the chat template
+    # tokens per sequence after the chat template: 512 suits the mini world (its models train on the first
+    # 384 tokens of a conversation); Kimi-K2.5: max_length=2048 or more (the README's commands pass it)
+    max_length: int = 512
     on_overlong: str = "truncate"  # truncate: cut the tail; skip: drop records longer than max_length
     validation_fraction: float = 0.05  # share of conversations (by id hash) held out
     split_salt: str = "eagle3-split"  # changes the train/validation assignment
@@ -79,3 +80,6 @@ class PrepareConfig:
             raise ConfigError(f"on_overlong={self.on_overlong!r}: expected one of {OVERLONG_POLICIES}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"validation_fraction={self.validation_fraction}: must be in [0, 1)")
+
+
+register_stage("prepare", PrepareConfig)

@@ -4,12 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eagle3.conf import ConfigError
-from eagle3.schema.common import InitConf, PathsConf, TargetConf
-
-PRECISIONS = ("auto", "bf16", "no")
-WANDB_MODES = ("offline", "online", "disabled")
-NONFINITE_POLICIES = ("stop", "skip")
+from eagle3.choices import ATTENTION_KERNELS, COMPILE_CHOICES, NONFINITE_POLICIES, PRECISIONS, STORE_VERIFY, UNROLLS
+from eagle3.conf import ConfigError, register_stage
+from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
 
 @dataclass
@@ -19,8 +16,8 @@ class TrainDataConf:
     max_tokens_per_batch: int = 8192      # padded tokens (rows x longest row) per micro-batch
     max_length: int = 2048                # longer sequences are truncated (counted in the manifest)
     bucket_window: int = 1024             # sequences sorted by length within windows of this many
-    num_workers: int = -1                 # DataLoader workers reading ahead; -1: 4 on GPU, 0 on CPU
-    verify: str = "sha256"                # store check at open: sha256 (each shard hashed once) | size | none
+    num_workers: int = -1                 # DataLoader workers reading the store ahead of the GPU; -1: 4 on GPU, 0 on CPU
+    verify: str = "sha256"                # store check at open: sha256 (each shard hashed once: a same-size bit flip is caught) | size | none (cheaper)
 
     def validate(self) -> None:
         if self.max_tokens_per_batch < 1 or self.max_length < 2:
@@ -30,8 +27,8 @@ class TrainDataConf:
                               f"{self.max_tokens_per_batch}: the longest sequences would not fit a batch")
         if self.num_workers < -1 or self.bucket_window < 1:
             raise ConfigError(f"data.num_workers={self.num_workers} (>= -1) / data.bucket_window={self.bucket_window} (>= 1)")
-        if self.verify not in ("size", "sha256", "none"):
-            raise ConfigError(f"data.verify={self.verify!r}: expected size, sha256 or none")
+        if self.verify not in STORE_VERIFY:
+            raise ConfigError(f"data.verify={self.verify!r}: expected one of {STORE_VERIFY}")
 
 
 @dataclass
@@ -54,34 +51,15 @@ class OptimConf:
 
 
 @dataclass
-class WandbConf:
-    mode: str = "offline"                 # offline (default; sync later with `wandb sync`) | online | disabled
-    project: str = "eagle3-finetune"
-    entity: Optional[str] = None
-    name: Optional[str] = None            # default: the out_dir's name
-    group: Optional[str] = None           # runs that belong together on the dashboard (the study: the init)
-    tags: list[str] = field(default_factory=list)
-
-    def validate(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
-
-
-UNROLLS = ("auto", "fast", "reference")
-COMPILE_CHOICES = ("auto", "true", "false")
-ATTENTION_KERNELS = ("auto", "flash", "cudnn")  # eagle3/ttt_flash.py (kept torch-free here)
-
-
-@dataclass
 class TrainConfig:
     paths: PathsConf
     target: TargetConf
     capture_dir: str
     vocab_dir: str
     out_dir: str
-    init: Optional[InitConf] = None
+    init: Optional[InitConf] = None       # chosen on the command line: +init=aqmedai_k2 or +init=scratch
     seed: int = 0
-    ttt_length: int = 7
+    ttt_length: int = 7                   # TTT unroll steps; step k weighs step_decay^k
     step_decay: float = 0.8
     max_steps: Optional[int] = None       # optimizer steps; with epochs too, the smaller wins
     epochs: Optional[int] = 1
@@ -103,7 +81,7 @@ class TrainConfig:
     progress: bool = True
     data: TrainDataConf = field(default_factory=TrainDataConf)
     optim: OptimConf = field(default_factory=OptimConf)
-    wandb: WandbConf = field(default_factory=WandbConf)
+    wandb: WandbConf = field(default_factory=WandbConf)  # offline runs land in <out_dir>/wandb
 
     def validate(self) -> None:
         if self.init is None:
@@ -126,3 +104,6 @@ class TrainConfig:
             raise ConfigError(f"attention_kernel={self.attention_kernel!r}: expected one of {ATTENTION_KERNELS}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {NONFINITE_POLICIES}")
+
+
+register_stage("train", TrainConfig)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from eagle3.conf import ConfigError
+from eagle3.choices import SPLITS
+from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -15,7 +16,9 @@ class VocabConfig:
     target: TargetConf
     in_dir: str  # the prepare stage directory
     out_dir: str
-    draft_vocab_size: int = 2048  # N; 32000 for Kimi-K2.5 (the AQ-MedAI / published drafters' size)
+    # N: 2048 for the mini world (its ~8K-token tokenizer); Kimi-K2.5: draft_vocab_size=32000 (the AQ-MedAI /
+    # published drafters' size)
+    draft_vocab_size: int = 2048
     split: str = "train"  # which prepared split is counted
     target_vocab_size: Optional[int] = None  # V; default: the target's config.json (text_config) vocab_size
     report_top_missing: int = 50  # how many of the most frequent tokens absent from the init vocab to list
@@ -26,7 +29,10 @@ class VocabConfig:
     def validate(self) -> None:
         if self.draft_vocab_size < 1:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size}: must be >= 1")
-        if self.split not in ("train", "validation"):
-            raise ConfigError(f"split={self.split!r}: expected 'train' or 'validation'")
+        if self.split not in SPLITS:
+            raise ConfigError(f"split={self.split!r}: expected one of {SPLITS}")
         if self.chunk_tokens < 1 or self.report_top_missing < 0:
             raise ConfigError("chunk_tokens must be >= 1 and report_top_missing >= 0")
+
+
+register_stage("vocab", VocabConfig)
