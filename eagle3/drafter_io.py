@@ -200,11 +200,9 @@ def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tenso
         report["d2t"] = "absent: full target vocab, identity mapping"
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     if "t2d" not in tensors:
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        ids = tensors["d2t"] + torch.arange(cfg.draft_vocab_size)
-        if int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size:
-            t2d[ids] = True
-        tensors["t2d"] = t2d
+        ids = vocab_map.ids_from_d2t(tensors["d2t"])  # out of range: an empty mask, reported just below
+        in_range = int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size
+        tensors["t2d"] = vocab_map.t2d_from_ids(ids if in_range else ids[:0], cfg.vocab_size)
         report["t2d"] = "absent: rebuilt from d2t"
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     mapping = vocab_map.mapping_problems(tensors["d2t"], tensors["t2d"], cfg.draft_vocab_size, cfg.vocab_size)

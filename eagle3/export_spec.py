@@ -246,8 +246,9 @@ def sglang_from_speculators(spec_cfg: Mapping[str, Any]) -> dict:
     drafter_keys.check_config(spec_cfg, "speculators").raise_if_refused("speculators config")
     layer = dict(spec_cfg["transformer_layer_config"])
     cfg = {k: v for k, v in layer.items() if k != "architectures"}
-    cfg.update(architectures=[SGLANG_ARCH], draft_vocab_size=spec_cfg["draft_vocab_size"],
-               target_hidden_size=spec_cfg.get("target_hidden_size") or layer["hidden_size"])
+    cfg.update(architectures=[SGLANG_ARCH], draft_vocab_size=spec_cfg["draft_vocab_size"])
+    if spec_cfg.get("target_hidden_size"):  # absent: the drafter's width, as config_sizes reads it
+        cfg["target_hidden_size"] = spec_cfg["target_hidden_size"]
     listed = spec_cfg.get("eagle_aux_hidden_state_layer_ids")
     if listed:  # vLLM's ids -> h -> the SGLang ids meaning the same h
         ids = aux_layers.sglang_export_ids(aux_layers.hf_indices_from_ids(listed, "vllm"))[0]

@@ -29,7 +29,7 @@ import torch
 from eagle3 import aux_layers, export_spec as spec
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
-from eagle3.model import rope_settings
+from eagle3.model import config_sizes, rope_settings
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
 from eval.export_serve import (read_serve_choice, serve_markdown, sglang_command, tensor_parallel,
@@ -127,7 +127,7 @@ def gather_sources(config) -> Sources:
 
 def _store_width_problems(drafter_cfg: dict, text: dict, store, store_dir: Path) -> list[str]:
     out = []
-    ht = int(drafter_cfg.get("target_hidden_size") or drafter_cfg["hidden_size"])
+    ht = config_sizes(drafter_cfg)["target_hidden_size"]
     if store.target_hidden_size != ht:
         out.append(f"capture {store_dir} holds states of width {store.target_hidden_size}, the drafter's fc "
                    f"expects target_hidden_size={ht}")
