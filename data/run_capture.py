@@ -15,7 +15,7 @@ import hydra  # noqa: E402
 
 from data.capture import run_capture  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.capture import CaptureConfig  # noqa: E402
 
 
@@ -26,4 +26,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("capture", main)

@@ -13,7 +13,7 @@ import hydra  # noqa: E402
 
 from data.mini_world.build import run_mini_world  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.mini_world import MiniWorldConfig  # noqa: E402
 
 
@@ -24,4 +24,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("mini world", main)

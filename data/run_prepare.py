@@ -12,7 +12,7 @@ import hydra  # noqa: E402
 
 from data.prepare import run_prepare  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.prepare import PrepareConfig  # noqa: E402
 
 
@@ -23,4 +23,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("prepare", main)

@@ -12,7 +12,7 @@ import hydra  # noqa: E402
 
 from data.vocab import run_vocab  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.vocab import VocabConfig  # noqa: E402
 
 
@@ -23,4 +23,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("vocab", main)

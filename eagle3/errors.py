@@ -5,7 +5,9 @@ a drafter for another target, a bad override, a damaged file), or the code is wr
 is a `StageError`: every stage's own error class derives from it (keeping its older base,
 RuntimeError or ValueError, so code that catches those still does), and an entry script prints it as
 one line `<stage> failed: <message>` and exits with status 1. Anything else is a bug and keeps its
-traceback. `EAGLE3_DEBUG=1` shows the traceback of a StageError too.
+traceback. `EAGLE3_DEBUG=1` shows the traceback of a StageError too. A config Hydra itself cannot
+compose (an unknown key, a value of the wrong type, an override it cannot parse) is reported the same
+way by `run_main`, which every entry script calls instead of its `@hydra.main` function directly.
 
 Standard library only: the core modules (store, drafter loading, target loading) import it on the
 GPU machine that has no hydra.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 DEBUG_ENV = "EAGLE3_DEBUG"
 
@@ -43,3 +45,24 @@ def stage_errors(stage: str) -> Iterator[None]:
         if debug_enabled():
             raise
         sys.exit(f"{stage} failed: {one_line(e) or type(e).__name__}")
+
+
+def _from_config_library(e: BaseException) -> bool:
+    return type(e).__module__.split(".")[0] in ("hydra", "omegaconf")
+
+
+def run_main(stage: str, hydra_main: Callable[[], Any]) -> None:
+    """Call an entry script's `@hydra.main` function. Hydra prints a config it cannot compose on
+    several lines itself; with HYDRA_FULL_ERROR=1 it raises the error instead, which becomes one line
+    `<stage> failed: ...` and exit status 1 here (re-raised with its traceback under EAGLE3_DEBUG)."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except Exception as e:
+        if debug_enabled() or not _from_config_library(e):
+            raise
+        cause = e.__cause__
+        detail = f" ({one_line(cause)})" if cause is not None and str(cause) not in str(e) else ""
+        if not any(arg in str(e) + detail for arg in sys.argv[1:]):  # e.g. a parse error names no override
+            detail += f" (overrides: {' '.join(sys.argv[1:])})"
+        sys.exit(f"{stage} failed: {one_line(e)}{detail}")

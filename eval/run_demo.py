@@ -11,7 +11,7 @@ prefer_passive_wait()  # before torch loads OpenMP (eagle3/cpu_threads.py says w
 import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.demo import DemoConfig  # noqa: E402
 
 
@@ -24,4 +24,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("demo", main)

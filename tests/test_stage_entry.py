@@ -22,6 +22,8 @@ CASES = {
     "train_no_store": ("train/run.py", ["+init=scratch"], "train failed:", "capture: no manifest.json"),
     "train_no_init": ("train/run.py", [], "train failed:", "add +init=<aqmedai_k2|scratch>"),
     "train_bad_value": ("train/run.py", ["+init=scratch", "optim.lr=fast"], "train failed:", "optim.lr"),
+    "train_unknown_key": ("train/run.py", ["+init=scratch", "bogus=1"], "train failed:", "Could not override 'bogus'"),
+    "vocab_unparsable": ("data/run_vocab.py", ["draft_vocab_size=[1"], "vocab failed:", "draft_vocab_size=[1"),
     "eval": ("eval/run.py", [], "eval failed:", "no drafter at"),
     "export": ("eval/run_export.py", [], "export failed:", "no config.json"),
     "check": ("train/run_check.py", [], "check failed:", "no config.json"),

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.train import TrainConfig  # noqa: E402
 
 
@@ -24,4 +24,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("train", main)

@@ -18,7 +18,7 @@ import hydra  # noqa: E402
 from eagle3 import aux_layers, target_io  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
 from eagle3.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids, read_config_dict  # noqa: E402
-from eagle3.errors import stage_errors  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.manifest import MANIFEST, read_manifest  # noqa: E402
 from eagle3.schema.check import CheckConfig  # noqa: E402
 
@@ -102,4 +102,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main("check", main)
