@@ -15,8 +15,8 @@ tokens; process r of N takes batches r, r+N, ... . A batch is computed the same 
 is, and a resumed run recomputes exactly the batches it had not committed, so resumed and
 multi-process stores read identically to an uninterrupted one-process store.
 
-Fault injection (tests only): EAGLE3_CAPTURE_BATCH_DELAY_S=<seconds> sleeps after each batch, so a
-test can kill a real capture process in the middle of its work.
+After each batch the loop fires the test hook point `capture.after_batch` (eagle3/hooks.py; nothing
+is installed outside tests): a resume test slows the capture there so it can kill it mid-work.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from eagle3 import aux_layers, target_io
+from eagle3 import aux_layers, hooks, target_io
 from eagle3.aux_layers import AuxChoice, AuxLayerError
 from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
 from eagle3.errors import StageError
@@ -181,7 +181,6 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf
     non_finite: list[str] = []
     total = sum(s.length for b in todo for s in b)
     start = time.time()
-    delay = float(os.environ.get("EAGLE3_CAPTURE_BATCH_DELAY_S", "0") or 0)
     with tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not (cfg.progress and dist.is_main),
               mininterval=1.0, smoothing=0.1) as bar:
         for batch in todo:
@@ -199,8 +198,7 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf
                     continue
                 writer.add(s.id, x, m, aux, last, am, order=s.order, check_finite=False)
             bar.update(sum(s.length for s in batch))
-            if delay:
-                time.sleep(delay)
+            hooks.fire(hooks.CAPTURE_AFTER_BATCH, sequences=[s.id for s in batch])
     return {"batches": len(batches), "batches_run": len(todo), "tokens_run": total,
             "seconds": round(time.time() - start, 3), "non_finite_this_run": non_finite}
 

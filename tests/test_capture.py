@@ -336,7 +336,10 @@ def test_killed_capture_resumes_to_an_identical_store(tmp_path, targets, prepare
     run_capture(to_schema(compose("capture", overrides("ref")), CaptureConfig), Dist())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    proc = subprocess.Popen(cmd("crash"), env={**env, "EAGLE3_CAPTURE_BATCH_DELAY_S": "0.2"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from hooked_stage import hooked_command  # slowed by the capture.after_batch hook, so the kill lands mid-work
+
+    proc = subprocess.Popen(hooked_command("sleep_after_batch=0.2", "data/run_capture.py", overrides("crash")), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     manifest = tmp_path / "crash" / "train" / "manifest.json"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:

@@ -11,8 +11,9 @@ import torch
 from eagle3.conf import ConfigError
 from test_train import config_for, world  # noqa: F401  (session fixture)
 from train.data import BackgroundBatches, BatchStream, collate, make_loader
-from train.loop import _use_compile, run_train
+from train.loop import run_train
 from train.prefetch import DevicePrefetcher
+from train.trainer import use_compile
 
 
 def _train_rows(out: Path) -> list[dict]:
@@ -49,10 +50,10 @@ def test_schema_rejects_unknown_unroll_compile_and_attention_kernel(world, tmp_p
 
 def test_compile_auto_means_gpu_only(world, tmp_path):  # noqa: F811
     cfg = config_for(world, tmp_path)
-    assert _use_compile(cfg, torch.device("cpu")) is False
-    assert _use_compile(cfg, torch.device("cuda")) is True
-    assert _use_compile(config_for(world, tmp_path, compile="false"), torch.device("cuda")) is False
-    assert _use_compile(config_for(world, tmp_path, compile="true"), torch.device("cpu")) is True
+    assert use_compile(cfg, torch.device("cpu")) is False
+    assert use_compile(cfg, torch.device("cuda")) is True
+    assert use_compile(config_for(world, tmp_path, compile="false"), torch.device("cuda")) is False
+    assert use_compile(config_for(world, tmp_path, compile="true"), torch.device("cpu")) is True
 
 
 def _item(i: int, n: int) -> dict:

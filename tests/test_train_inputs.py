@@ -11,7 +11,8 @@ import eagle3.unroll_common
 from eagle3.store import HiddenStateWriter
 from test_train import config_for, world  # noqa: F401  (fixtures)
 from train.inputs import TrainInputError
-from train.loop import NonFiniteLossError, run_train
+from train.loop import run_train
+from train.trainer import NonFiniteLossError
 
 
 def copy_world(world, tmp_path) -> dict:

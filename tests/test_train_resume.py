@@ -5,13 +5,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import REPO_ROOT
+from eagle3 import hooks
+from hooked_stage import hooked_command
 from test_train import config_for, rows, world  # noqa: F401  (fixtures)
 from test_train_world import overrides
 from train.checkpoint import CheckpointError
@@ -24,8 +24,8 @@ def test_killed_run_resumes_to_the_same_weights(world, tmp_path, capsys):
     run_train(config_for(world, ref, "scratch", **common))
 
     out = tmp_path / "killed"
-    env = {**os.environ, "EAGLE3_FAULT_KILL_AFTER_STEP": "6", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO_ROOT / "train" / "run.py"), *overrides(world, out, "scratch", **common)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = hooked_command("kill_after_step=6", "train/run.py", overrides(world, out, "scratch", **common))
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -33,9 +33,12 @@ def test_killed_run_resumes_to_the_same_weights(world, tmp_path, capsys):
     assert not (out / "final").exists() and not (out / "manifest.json").exists()
     assert max(r["step"] for r in rows(out, "train")) == 6
 
-    run_train(config_for(world, out, "scratch", **common))  # the same command again (in-process: faster)
+    seen = []  # the hook point the kill used fires once per applied step, from the resumed one on
+    with hooks.installed(hooks.TRAIN_AFTER_STEP, lambda step: seen.append(step)):
+        run_train(config_for(world, out, "scratch", **common))  # the same command again (in-process: faster)
     log = capsys.readouterr().out
     assert "resuming from" in log and "step-000004" in log
+    assert seen == [5, 6, 7, 8, 9, 10]
 
     a, b = load_file(str(ref / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
     assert a.keys() == b.keys()

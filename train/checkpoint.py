@@ -6,6 +6,11 @@ Atomicity: a checkpoint is written into `checkpoints/.tmp-step-NNNNNN-<pid>/`, f
 renamed to its final name, so a `step-*` directory is always complete; leftovers of a killed
 write are `.tmp-*` directories, deleted on the next start. A checkpoint whose files do not match
 `checkpoint.json` (truncated / bit-flipped) is refused with its path named. Only rank 0 writes.
+
+Resume: a checkpoint records the run key of the run that wrote it (config less the keys that may
+change between a run and its continuation, input fingerprints, world size); `find_resume_point`
+returns the newest checkpoint's state only when this run's key equals it, and names the differences
+otherwise.
 """
 from __future__ import annotations
 
@@ -19,12 +24,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from eagle3.conf import as_plain_dict
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_json, sha256_file
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "training_state.pt"
 INDEX_FILE = "checkpoint.json"
+# Config keys that may change between a run and its resumption (length, logging, I/O knobs).
+RESUMABLE_CHANGES = ("max_steps", "epochs", "log_every", "val_every", "val_max_batches", "checkpoint_every",
+                     "keep_checkpoints", "progress", "wandb", "on_nonfinite", "max_nonfinite_skips")
 
 
 class CheckpointError(StageError, RuntimeError):
@@ -184,3 +193,40 @@ def read_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(f))
     except Exception as e:
         raise CheckpointError(f"{f}: cannot be read ({e}); delete {path} to resume from the previous checkpoint") from e
+
+
+def run_key(config, fingerprints: dict, world_size: int) -> dict:
+    """What must be equal for a checkpoint to be resumed by this config."""
+    cfg = as_plain_dict(config)
+    for k in RESUMABLE_CHANGES:
+        cfg.pop(k, None)
+    cfg["data"] = {k: v for k, v in cfg["data"].items() if k not in ("num_workers", "verify")}
+    return {"config": cfg, "inputs": fingerprints, "world_size": world_size}
+
+
+def find_resume_point(ckpt_root: Path, key: dict, main: bool) -> Optional[dict]:
+    """The newest checkpoint's training state plus its weights (`"model"`), or None to start fresh.
+    Rank 0 first deletes leftovers of killed writes. Refuses a checkpoint of another run key."""
+    if main:
+        gone = remove_partial_checkpoints(ckpt_root)
+        if gone:
+            print(f"[train] removed unfinished checkpoint writes: {gone}")
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None:
+        return None
+    state = load_training_state(latest[1])
+    if state["run_key"] != key:
+        diff = _key_diff(state["run_key"], key)
+        raise CheckpointError(f"{latest[1]} was written by a run with other settings ({diff}); use another "
+                              f"out_dir, or delete {ckpt_root} to start over")
+    state["model"] = read_checkpoint_weights(latest[1])
+    if main:
+        print(f"[train] resuming from {latest[1]}")
+    return state
+
+
+def _key_diff(a, b, prefix="") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        parts = [_key_diff(a.get(k), b.get(k), f"{prefix}{k}.") for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        return "; ".join(p for p in parts if p)
+    return f"{prefix.rstrip('.')}: {a!r} -> {b!r}"

@@ -62,7 +62,8 @@ def test_killed_export_never_leaves_a_partial_directory(pipeline, tmp_path, seed
 
 @pytest.mark.parametrize("seed", [3, 4])
 def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path, seed):
-    """SIGKILL right after a seeded random optimizer step (the train stage's fault hook), rerun."""
+    """SIGKILL right after a seeded random optimizer step (the train.after_step hook), rerun."""
+    from hooked_stage import hooked_command
     from test_train_world import overrides
     from train.loop import run_train
 
@@ -70,9 +71,8 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path, seed):
     ref = run_train(train_config(pipeline, tmp_path / "ref", **common))
     kill_after = random.Random(seed).randint(1, steps - 1)
     out = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO_ROOT / "train" / "run.py"), *overrides(pipeline, out, "scratch", **common)]
-    res = subprocess.run(cmd, env={**ENV, "EAGLE3_FAULT_KILL_AFTER_STEP": str(kill_after)}, capture_output=True,
-                         text=True, timeout=300)
+    cmd = hooked_command(f"kill_after_step={kill_after}", "train/run.py", overrides(pipeline, out, "scratch", **common))
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     assert not (out / "final").exists()
     done = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))

@@ -1,0 +1,340 @@
+"""One training run as a small Trainer with named parts (in the spirit of torchtitan's Trainer):
+
+  setup       (__init__) the init drafter, the resume point, objective/optimizer/schedule, counters
+  data        the batch loader from this rank's current position (reader thread + device prefetch)
+  step        one optimizer step over `grad_accum` micro-batches, with the non-finite policy
+  validate    held-out loss/accuracy (+ simulated accept length), logged
+  checkpoint  an atomic checkpoint of everything a resume needs (train/checkpoint.py)
+  finish      `final/` (drafter dir + file index) and the stage manifest
+  run         the loop that ties them: validate the init, then step / log / validate / checkpoint
+
+Each step's loss is normalised by the valid-position counts of the WHOLE optimizer step over all ranks
+(eagle3/unroll.py), so the update does not depend on how the tokens were split. A non-finite loss
+stops the run naming the step and its sequences (or, with on_nonfinite=skip, drops that update and
+counts it); nothing is written for that step. After each applied step the loop fires the test hook
+point `train.after_step` (eagle3/hooks.py; nothing is installed outside tests).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate.utils import gather_object
+
+from eagle3 import hooks
+from eagle3.conf import as_plain_dict
+from eagle3.errors import StageError
+from eagle3.manifest import MANIFEST, sha256_file, write_manifest
+from eagle3.unroll import TTTObjective, step_position_counts
+from train import checkpoint as ckpt
+from train.data import BatchStream, make_loader
+from train.engine import (full_model_state, full_optimizer_state, load_optimizer_state, make_optimizer,
+                          make_scheduler, mixed_precision, uses_fsdp)
+from train.inputs import TrainInputError
+from train.metrics import MetricsLogger
+from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
+from train.prefetch import DevicePrefetcher
+from train.progress import StepStats, progress_bar
+from train.validate import run_validation, simulated_accept_length
+
+log = logging.getLogger(__name__)
+FINAL = "final"
+
+
+class NonFiniteLossError(StageError, RuntimeError):
+    """The loss or gradient norm became NaN/inf; the message names the step and its sequences."""
+
+
+@dataclass
+class RunCounters:
+    """The loop's counters: what a checkpoint records besides weights/optimizer/schedule/RNG."""
+    step: int = 0                  # optimizer steps applied
+    position: int = 0              # micro-batches this rank has taken from its batch stream
+    nonfinite_skips: int = 0
+    tokens_seen: int = 0           # real tokens, all ranks
+    prior_s: float = 0.0           # wall seconds of the runs this one continues
+    val_start: Optional[dict] = None  # validation of the init (step 0): the baseline the run must beat
+    val_last: Optional[dict] = None
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RunCounters":
+        return cls(state["step"], state["position"], state["nonfinite_skips"], state["tokens_seen"],
+                   state["elapsed_s"], state.get("val_start"), state.get("val_last"))
+
+
+class Trainer:
+    """A run set up to start or to resume (by `train/loop.py` `run_train`, after its reuse check);
+    `run()` trains to the last step and writes `final/`."""
+
+    def __init__(self, config, accelerator, inputs):
+        self.config, self.acc, self.inputs = config, accelerator, inputs
+        self.out = Path(config.out_dir)
+        self.main, self.fsdp, self.device = accelerator.is_main_process, uses_fsdp(accelerator), accelerator.device
+        self.t_start = time.time()
+        self.drafter, self.report = build_drafter(config, inputs)  # compatibility checks run inside, before any work
+        self.key = ckpt.run_key(config, inputs.fingerprints, accelerator.num_processes)
+        self.ckpt_root = self.out / "checkpoints"
+        resume = ckpt.find_resume_point(self.ckpt_root, self.key, self.main)
+        self.resumed = resume is not None
+        if resume is not None:
+            drafter_from_state(self.drafter, resume["model"])
+        torch.manual_seed(config.seed + 1000 * accelerator.process_index)
+        self.lm_head_rows = self.report.pop("lm_head_rows").to(self.device)
+        if mixed_precision(config) == "bf16" and not self.fsdp:
+            self.drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
+        self.objective = accelerator.prepare(TTTObjective(
+            self.drafter, config.ttt_length, config.step_decay, impl=config.unroll,
+            compile=use_compile(config, self.device), attention_kernel=config.attention_kernel))
+        self.params = [p for p in self.objective.parameters() if p.requires_grad]
+        self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
+        self.stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length,
+                                  config.seed, accelerator.process_index, accelerator.num_processes,
+                                  config.data.bucket_window)
+        self.total, self.per_epoch = total_steps(config, self.stream)
+        self.epoch_batches = self.stream.batches_per_epoch()
+        self.scheduler, self.warmup = make_scheduler(self.optimizer, config.optim, self.total)
+        self.counters = RunCounters()
+        if resume is not None:
+            self._restore(resume)
+        if self.main and resume is None and (self.out / MANIFEST).exists():
+            (self.out / MANIFEST).unlink()  # a stale manifest must not vouch for this (unfinished) run
+        self.t2d = self.drafter.t2d.cpu()  # id checks and loss denominators on host copies (no device sync)
+        self.metrics = MetricsLogger(self.out, enabled=self.main, wandb_conf=config.wandb,
+                                     run_config=as_plain_dict(config),
+                                     resume_step=self.counters.step if self.resumed else None)
+
+    def _restore(self, resume: dict) -> None:
+        load_optimizer_state(self.objective, self.optimizer, resume["optimizer"], self.fsdp)
+        self.scheduler.load_state_dict(resume["scheduler"])
+        rng = resume["rng"]
+        ckpt.restore_rng(rng[self.acc.process_index] if isinstance(rng, list) else rng)
+        self.counters = RunCounters.from_state(resume)
+        if resume["total_steps"] != self.total and self.main:
+            print(f"[train] total steps changed {resume['total_steps']} -> {self.total}: the LR schedule continues "
+                  f"for {self.total}")
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> Path:
+        c = self.counters
+        try:
+            if self.main:
+                print(f"[train] init={self.config.init.name} on {self.acc.num_processes} process(es), {self.device}, "
+                      f"precision={mixed_precision(self.config)}, {_wrapper_name(self.acc)}; "
+                      f"{len(self.inputs.train):,} train sequences, {self.per_epoch} steps/epoch, {self.total} steps "
+                      f"(warmup {self.warmup})" + (f"; resumed at step {c.step}" if self.resumed else ""))
+            if not self.resumed:
+                c.val_start = self.validate(c.step)
+            loader = self.data()
+            self.stats = StepStats(self.config.ttt_length, self.device, self.config.step_decay)  # tokens/s from here
+            bar = progress_bar(self.total, c.step, enabled=self.config.progress and self.main)
+            self.objective.train()
+            while c.step < self.total:
+                if not self.step(loader):
+                    continue  # a skipped non-finite update
+                bar.update(1)
+                self._after_step(bar)
+                hooks.fire(hooks.TRAIN_AFTER_STEP, step=c.step)
+            bar.close()
+            self.finish()
+        finally:
+            self.metrics.close()  # also on errors: the wandb run and metrics file are closed cleanly
+        self.acc.wait_for_everyone()
+        return self.out
+
+    def _after_step(self, bar) -> None:
+        """Log, validate, checkpoint at their intervals (and at the last step); their time is not
+        counted in tokens/s."""
+        cfg, c, last = self.config, self.counters, self.counters.step == self.total
+        if c.step % cfg.log_every == 0 or last:
+            row = self.stats.summary(self.acc, lr=self.scheduler.get_last_lr()[0],
+                                     epoch=c.position / max(1, self.epoch_batches))
+            self.metrics.log(c.step, row)
+            bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}")
+        t_aside = time.perf_counter()
+        if (cfg.val_every and c.step % cfg.val_every == 0) or last:
+            c.val_last = self.validate(c.step)  # before the checkpoint, which records it
+        if c.step % cfg.checkpoint_every == 0 or last:
+            self.checkpoint(c.step)
+        self.stats.exclude(time.perf_counter() - t_aside)
+
+    # ---- the parts ------------------------------------------------------------------------------
+    def data(self) -> DevicePrefetcher:
+        """This rank's batches from its current position; on GPU a reader thread fills pinned memory
+        and a side stream copies ahead."""
+        cfg = self.config
+        workers = cfg.data.num_workers if cfg.data.num_workers >= 0 else (4 if self.device.type == "cuda" else 0)
+        return DevicePrefetcher(make_loader(self.inputs.train, self.stream, self.counters.position, cfg.data.max_length,
+                                            workers, pin_memory=self.device.type == "cuda"), self.device)
+
+    def step(self, loader: DevicePrefetcher) -> bool:
+        """One optimizer step over `grad_accum` micro-batches (one on the device at a time). False
+        when the update was non-finite and skipped (on_nonfinite=skip); raises on `stop`."""
+        cfg, c, acc = self.config, self.counters, self.acc
+        hosts = loader.peek_hosts(cfg.grad_accum)  # counts and id checks on the host copies
+        if len(hosts) < cfg.grad_accum:  # the batch stream repeats epochs: only a broken reader ends
+            raise RuntimeError(f"step {c.step + 1}: the batch reader ended after {c.position + len(hosts)} micro-batches")
+        c.position += len(hosts)
+        denom = sum(step_position_counts(h["loss_mask"], h["target_argmax"], self.t2d, cfg.ttt_length) for h in hosts)
+        denom = acc.reduce(denom.to(self.device), reduction="sum")  # [K] valid positions of the whole step
+        # accelerate divides by grad_accum and DDP averages over ranks: undo both, the loss is already global.
+        scale = float(cfg.grad_accum * acc.num_processes)
+        losses = []
+        for _ in hosts:
+            host, mb = next(loader)
+            _check_ids(host, self.t2d.numel(), self.inputs.train.dir, c.step + 1)
+            with acc.accumulate(self.objective):
+                try:
+                    res = self.objective(mb, self.lm_head_rows, step_denominators=denom)
+                except ValueError as e:
+                    raise TrainInputError(f"step {c.step + 1}: batch of sequences {mb['ids']}: {e}") from e
+                acc.backward(res.loss * scale)
+            losses.append(res.loss.detach())
+            self.stats.add_micro(res, host)
+        grad_norm = acc.clip_grad_norm_(self.params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else \
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
+        # One small all-reduce per step: any rank non-finite, and the step's real tokens over all ranks.
+        bad = (~torch.isfinite(torch.stack(losses).sum() + grad_norm)).float()
+        flags = acc.reduce(torch.stack([bad, torch.tensor(float(self.stats.window_tokens()), device=self.device)]),
+                           reduction="sum")
+        if bool(flags[0] > 0):
+            self._drop_update(_nonfinite_report(c.step + 1, hosts, losses, grad_norm))
+            return False
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        c.step += 1
+        c.tokens_seen += int(flags[1])
+        self.stats.end_step(float(grad_norm))
+        return True
+
+    def _drop_update(self, where: str) -> None:
+        """A non-finite step: stop (default) or, with on_nonfinite=skip, drop it and count it."""
+        cfg, c = self.config, self.counters
+        self.optimizer.zero_grad(set_to_none=True)
+        if cfg.on_nonfinite == "stop":
+            raise NonFiniteLossError(f"{where}; stopped without writing a checkpoint (newest intact one in "
+                                     f"{self.ckpt_root}); set on_nonfinite=skip to drop such updates instead")
+        c.nonfinite_skips += 1
+        log.warning("%s: update skipped (%d so far)", where, c.nonfinite_skips)
+        if c.nonfinite_skips > cfg.max_nonfinite_skips:
+            raise NonFiniteLossError(f"{c.nonfinite_skips} non-finite updates (> max_nonfinite_skips="
+                                     f"{cfg.max_nonfinite_skips}); last: {where}")
+        self.stats.reset()
+
+    def validate(self, at_step: int) -> Optional[dict]:
+        """Validation of the current weights, logged as a `val` row (None without a validation store)."""
+        if self.inputs.val is None:
+            return None
+        res = run_validation(self.acc, self.objective, self.inputs.val, self.lm_head_rows, self.config,
+                             progress=self.config.progress and self.main)
+        if self.main and self.config.val_accept_sequences and not self.fsdp:
+            res["accept_length"] = simulated_accept_length(self.acc.unwrap_model(self.objective).drafter,
+                                                           self.inputs.val, self.config.val_accept_sequences)
+        self.metrics.log(at_step, res, kind="val")
+        return res
+
+    def checkpoint(self, at_step: int) -> None:
+        """Checkpoint `at_step` (collective: every rank gathers; rank 0 writes)."""
+        c = self.counters
+        model_state = full_model_state(self.acc, self.objective)
+        optim_state = full_optimizer_state(self.acc, self.objective, self.optimizer, self.fsdp)
+        rngs = gather_object([ckpt.rng_state()]) if self.acc.num_processes > 1 else [ckpt.rng_state()]
+        if self.main:
+            state = {"step": at_step, "position": c.position, "total_steps": self.total, "optimizer": optim_state,
+                     "scheduler": self.scheduler.state_dict(), "rng": rngs, "run_key": self.key,
+                     "nonfinite_skips": c.nonfinite_skips, "tokens_seen": c.tokens_seen,
+                     "elapsed_s": self._elapsed(), "val_start": c.val_start, "val_last": c.val_last}
+            ckpt.save_checkpoint(self.ckpt_root, at_step, lambda d: write_drafter_dir(self.drafter, model_state, d),
+                                 state, self.config.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def finish(self) -> None:
+        """`final/` (written aside, then renamed) and the stage manifest; rank 0 writes, every rank
+        takes part in gathering the weights."""
+        model_state = full_model_state(self.acc, self.objective)
+        if not self.main:
+            return
+        cfg, c, out, seconds = self.config, self.counters, self.out, self._elapsed()
+        tmp = out / f".tmp-{FINAL}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_drafter_dir(self.drafter, model_state, tmp)
+        ckpt.write_file_index(tmp, c.step)  # the export verifies final/ against it
+        if (out / FINAL).exists():
+            shutil.rmtree(out / FINAL)
+        os.rename(tmp, out / FINAL)
+        train = self.inputs.train
+        summary = {"steps": c.step, "total_steps": self.total, "tokens_seen": c.tokens_seen,
+                   "nonfinite_skips": c.nonfinite_skips, "wall_s": round(seconds, 2), "val_start": c.val_start,
+                   "val_end": c.val_last, "padding_efficiency": stream_padding_efficiency(train.lengths, self.stream),
+                   "truncated_sequences": sum(1 for n in train.lengths if n > cfg.data.max_length)}
+        self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
+        write_manifest(out, "train", cfg, inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},
+                       init_fingerprint=init_fingerprint(cfg), init_report=self.report, final=str(out / FINAL),
+                       wandb_dir=self.metrics.wandb_dir, hf_indices=train.hf_indices,
+                       aux_layers=train.manifest.get("aux_provenance"), **summary)
+        print(f"[train] done: {c.step} steps, {c.tokens_seen:,} tokens in {seconds:.1f}s; final drafter {out / FINAL}")
+
+    def _elapsed(self) -> float:
+        return self.counters.prior_s + time.time() - self.t_start
+
+
+def total_steps(config, stream: BatchStream) -> tuple[int, int]:
+    """(total optimizer steps, optimizer steps per epoch)."""
+    per_epoch = max(1, -(-stream.batches_per_epoch() // config.grad_accum))
+    candidates = [s for s in (config.max_steps, None if config.epochs is None else config.epochs * per_epoch) if s]
+    return min(candidates), per_epoch
+
+
+def init_fingerprint(config) -> Optional[str]:
+    """sha256 of the init drafter's weights (None for scratch): a finished run is reused only for the same init."""
+    path = config.init.drafter_path
+    if config.init.name == "scratch" or not path:
+        return None
+    f = Path(path) / "model.safetensors"
+    return sha256_file(f) if f.is_file() else None
+
+
+def use_compile(config, device: torch.device) -> bool:
+    """compile=auto: on GPU only (Inductor's CPU compile takes minutes and the CPU path is small)."""
+    choice = str(config.compile).lower()
+    return device.type == "cuda" if choice == "auto" else choice == "true"
+
+
+def _wrapper_name(accelerator) -> str:
+    """'single process', 'MULTI_CPU' (DDP over gloo), 'MULTI_GPU' (DDP over NCCL), 'FSDP'."""
+    name = str(accelerator.distributed_type).split(".")[-1]
+    return "single process" if name == "NO" else name
+
+
+def _check_ids(batch: dict, vocab_size: int, store_dir, step: int) -> None:
+    """Token ids outside the target vocab mean a store tokenized for another target (CPU tensors: cheap)."""
+    for key in ("input_ids", "target_argmax"):
+        top = int(batch[key].max())
+        if top >= vocab_size or int(batch[key].min()) < 0:
+            raise TrainInputError(f"step {step}: {key} of sequences {batch['ids']} in {store_dir} holds id {top}, "
+                                  f"outside the target vocab of {vocab_size}: the store was captured with another "
+                                  f"tokenizer/target than this vocab and drafter")
+
+
+def _nonfinite_report(step: int, window: list, losses: list, grad_norm) -> str:
+    bad = [i for i, l in enumerate(losses) if not torch.isfinite(l)]
+    if bad:
+        i = bad[0]
+        return (f"non-finite loss ({float(losses[i])}) at step {step}, micro-batch {i} (sequences {window[i]['ids']})")
+    return f"non-finite gradient norm ({float(grad_norm)}) at step {step} (sequences {[mb['ids'] for mb in window]})"
+
+
+def stream_padding_efficiency(lengths, stream: BatchStream) -> float:
+    """Real tokens / padded tokens over one epoch's batches (1.0 = no padding)."""
+    clipped = [min(n, stream.max_length) for n in lengths]
+    real = padded = 0
+    for b in stream.epoch_batches(0):
+        real += sum(clipped[i] for i in b)
+        padded += len(b) * max(clipped[i] for i in b)
+    return round(real / max(1, padded), 4)
