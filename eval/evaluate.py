@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from eagle3 import aux_layers
 from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
                                replay_sequence)
 from eagle3.cost_model import accept_length_from_acceptance
@@ -50,9 +51,9 @@ def drafter_store_problems(model, store) -> list[str]:
     if model.fc.in_features != aux_width:
         out.append(f"drafter fc reads {model.fc.in_features} features, the store's aux states are {aux_width} wide "
                    f"({len(store.hf_indices)} layers x target hidden)")
-    if cfg.aux_hf_indices is not None and list(cfg.aux_hf_indices) != list(store.hf_indices):
-        out.append(f"drafter reads hidden states h = {list(cfg.aux_hf_indices)}, the store holds h = "
-                   f"{list(store.hf_indices)}: SGLang would feed it other states than it sees here")
+    differ = aux_layers.reading_mismatch(cfg.aux_hf_indices, store.hf_indices)
+    if differ:
+        out.append(f"{differ}: SGLang would feed it other states than it sees here")
     if len(store):
         s = store[0]  # token ids beyond the drafter's vocab: the store comes from another tokenizer/target
         top = max(int(s["input_ids"].max()), int(s["target_argmax"].max())) if s["input_ids"].numel() else -1
