@@ -1,4 +1,4 @@
-"""Throughput of the eval stage's accept-length replay (eval/evaluate.py:simulate_accept_length).
+"""Throughput of the eval stage's accept-length replay (eagle3/replay/evaluate.py:simulate_accept_length).
 
 A random drafter of the given shape over a random greedy-consistent store (sequences whose next
 token is the stored argmax, so every assistant position is replayed). Prints replayed tokens/s per
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from eagle3.accept_sim import SpecKnobs  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
-from eval.evaluate import simulate_accept_length, teacher_forced_accuracy  # noqa: E402
+from eagle3.replay.evaluate import simulate_accept_length, teacher_forced_accuracy  # noqa: E402
 
 PRESETS = {  # hidden, intermediate, heads, kv heads, head_dim, vocab, draft vocab
     "mini": (128, 384, 4, 4, 32, 8192, 4096),
@@ -56,7 +56,7 @@ def main():
     n_seq = max(1, args.tokens // args.seq_len)
     if args.disk:
         with tempfile.TemporaryDirectory() as tmp:
-            w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H, hf_indices=[1, 2, 3],
+            w = HiddenStateWriter(Path(tmp) / "val", hidden_size=H, target_hidden_size=H,
                                   hf_indices=[1, 2, 3], dtype="bfloat16", shard_tokens=1 << 16)
             for i in range(n_seq):
                 s = FakeStore.make(i, args.seq_len, H, V)

@@ -20,7 +20,7 @@ Replay over a stored sequence x_0..x_{T-1} with the target's greedy choices g_t 
     accepted it emits min(k + 1, b + 1 - q) tokens (a cycle that runs into the segment end stops
     there, as a decode stops at its last token), and the next cycle starts at q + emitted.
   * Only the verdicts (g) and the drafter are needed: the drafter is a callable, so tests drive
-    the replay with hand-made drafters and eval drives it with the real one (eval/drafter_session).
+    the replay with hand-made drafters and eval drives it with the real one (eagle3/replay/drafter_session.py).
 
 Trees follow SGLang (speculative/eagle_utils.py `select_top_k_tokens`, `organize_draft_results`,
 `build_tree_kernel_efficient`): step 0 keeps the top-k of the first distribution; each later step

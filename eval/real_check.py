@@ -15,7 +15,7 @@ import torch
 from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
 from eagle3.cost_model import measured_latencies, predict
 from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
-from eval.drafter_session import SequenceDrafter
+from eagle3.replay.drafter_session import SequenceDrafter
 from eval.real_loop import greedy_decode, speculative_decode
 from eval.real_tree import tree_speculative_decode
 

@@ -4,7 +4,7 @@ a tree attention mask. Greedy, batch 1.
 Per cycle (x_q the last verified token; target cache = positions 0..q-1; drafter cache = the extend
 pairs of 0..q-1 and its output at q-1):
   1. draft the tree with `eagle3.accept_sim.build_sglang_tree`, the drafter attending to its cache
-     plus each row's own path (eval/drafter_session.BeamCache);
+     plus each row's own path (eagle3/replay/drafter_session.BeamCache);
   2. verify [x_q, node_1..node_n]: node i sits at position q + depth(i) and attends to the whole
      prefix, the root and its own ancestors (a 4D additive mask, which transformers uses as given);
   3. walk from the root following the child whose token is the target's argmax, accept that path
@@ -20,7 +20,7 @@ import torch
 from eagle3.accept_sim import SpecKnobs, build_sglang_tree
 from eagle3.target_io import AuxHiddenCapture
 from eagle3.ttt import KVCache
-from eval.drafter_session import BeamCache
+from eagle3.replay.drafter_session import BeamCache
 from eval.real_loop import SpecResult, TargetRunner, elapsed_ms, eos_ids, sync_device
 
 

@@ -20,7 +20,7 @@ from eagle3.conf import ConfigError, as_plain_dict
 from eagle3.cost_model import PRESETS, Latencies, predict
 from eagle3.manifest import MANIFEST, atomic_write_json, fingerprint, write_manifest
 from eagle3.schema.eval import EvalConfig
-from eval.evaluate import EvalInputError, NgramSettings, evaluate_drafter
+from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
 
 log = logging.getLogger(__name__)
 REPORT = "report.json"

@@ -102,7 +102,7 @@ class Evaluator:
         return load_drafter_dir(drafter_dir, embed_tokens=self.embed, device=self.device, dtype="float32").eval()
 
     def metrics(self, drafter, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> dict:
-        from eval.evaluate import evaluate_drafter
+        from eagle3.replay.evaluate import evaluate_drafter
 
         drafter = drafter.to(self.device).eval()
         rep = evaluate_drafter(drafter, self.store, knobs=knobs, ttt_length=self.cfg.ttt_length,
@@ -165,7 +165,7 @@ def final_measurements(drafter_k25, drafter_k2, sides: dict, cfg, real: Optional
     """What a finished drafter is judged on besides its curve: K2-like traffic (forgetting), the knob
     grid on K2.5 traffic, the real loop."""
     grid = knob_grid(cfg.knob_grid)
-    from eval.evaluate import simulate_accept_length
+    from eagle3.replay.evaluate import simulate_accept_length
 
     sims = simulate_accept_length(drafter_k25.to(sides["k25"].device), sides["k25"].store, knobs=grid,
                                   max_sequences=cfg.knob_grid.max_sequences, ngram=None, progress=False)
@@ -179,7 +179,7 @@ def final_measurements(drafter_k25, drafter_k2, sides: dict, cfg, real: Optional
 def ngram_baseline(cfg, ev: Evaluator, path: Path) -> None:
     """n-gram prompt lookup over the knob grid on the K2.5 store, once (it needs no drafter): the
     no-training alternative the knobs table sets beside the drafters."""
-    from eval.evaluate import simulate_accept_length
+    from eagle3.replay.evaluate import simulate_accept_length
 
     key = _record_key(cfg, None, {"capture": sha256_file(Path(ev.cfg.capture_dir) / "manifest.json")})
     if _cached(path, key) is not None:

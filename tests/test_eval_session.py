@@ -1,5 +1,5 @@
-"""The real drafter inside the replay (eval/drafter_session.py) and the evaluation function
-(eval/evaluate.py), on a tiny random drafter and hand-built stores."""
+"""The real drafter inside the replay (eagle3/replay/drafter_session.py) and the evaluation function
+(eagle3/replay/evaluate.py), on a tiny random drafter and hand-built stores."""
 import pytest
 import torch
 
@@ -8,8 +8,8 @@ from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.store import HiddenStateStore, HiddenStateWriter
 from eagle3.ttt import KVCache
 from eagle3.unroll import ttt_unroll
-from eval.drafter_session import SequenceDrafter
-from eval.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
+from eagle3.replay.drafter_session import SequenceDrafter
+from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 
 V, DV, H, HT = 40, 24, 16, 12
 
@@ -159,7 +159,7 @@ def test_chain_from_teacher_forced_unroll_equals_step_by_step_drafting(tmp_path,
 
 @pytest.mark.parametrize("knobs", [SpecKnobs(3, 2, 6), SpecKnobs(2, 3, 7), SpecKnobs(4, 2, 5)])
 def test_batched_trees_equal_cycle_by_cycle_trees(knobs):
-    from eval.tree_batch import all_cycle_trees
+    from eagle3.replay.tree_batch import all_cycle_trees
 
     model = tiny_drafter()
     aux, ids = random_seq(T=20)

@@ -12,7 +12,7 @@ from eagle3.drafter_io import save_drafter_dir
 from eagle3.schema.eval import EvalConfig
 from eagle3.store import HiddenStateWriter
 from eagle3.target_io import load_target
-from eval.evaluate import EvalInputError
+from eagle3.replay.evaluate import EvalInputError
 from eval.real_check import capture_sequence
 from eval.real_loop import greedy_decode
 from eval.stage import latencies_from_config, run_eval

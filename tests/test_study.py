@@ -67,7 +67,7 @@ def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_t
     from eagle3.drafter_io import load_drafter_dir
     from eagle3.store import HiddenStateStore
     from eagle3.target_io import load_embed_tokens
-    from eval.evaluate import evaluate_drafter, simulate_accept_length
+    from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
     from tests.test_train_world import write_world
 
     w = write_world(tmp_path, tiny_k25_target, n_train=1, n_val=3)

@@ -1,6 +1,6 @@
 """Periodic validation on the held-out store: loss and teacher-forced accuracy per TTT step (the
-training objective's own positions, via the same TTT unroll), and the eval stage's simulated
-accept length on a few sequences when `eval/evaluate.py` is importable.
+training objective's own positions, via the same TTT unroll), and the simulated accept length on a few
+sequences (eagle3/replay/evaluate.py, the eval stage's replay).
 
 Every rank runs the same number of forwards (FSDP all-gathers in each one): the rank's share
 is padded by wrapping around, and the padding batches are run but not counted.
@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from eagle3.replay.evaluate import simulate_accept_length
 from train.data import batch_to_device, collate, plan_epoch, StoreSequences
 
 log = logging.getLogger(__name__)
@@ -65,14 +66,9 @@ def run_validation(accelerator, objective, store, lm_head_rows: torch.Tensor, co
 
 
 def simulated_accept_length(drafter, store, max_sequences: int) -> Optional[dict]:
-    """SGLang-convention accept length from the eval stage (rank 0, unwrapped drafter), or None when
-    the eval module is not available. {knob label: accept length}."""
+    """SGLang-convention accept length of the eval stage's replay (rank 0, unwrapped drafter), or None
+    when not asked for or the replay failed. {knob label: accept length}."""
     if max_sequences <= 0:
-        return None
-    try:
-        from eval.evaluate import simulate_accept_length
-    except Exception as e:  # the eval stage is optional here
-        log.info("simulated accept length skipped (%s)", e)
         return None
     was_training = drafter.training
     drafter.eval()

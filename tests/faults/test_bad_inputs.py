@@ -191,7 +191,7 @@ def test_training_refuses_an_inconsistent_vocab_mapping(pipeline, tmp_path):
 def test_eval_refuses_a_drafter_reading_other_layers_and_an_empty_split(pipeline, tmp_path):
     from eagle3.drafter_io import load_drafter_dir
     from eagle3.store import HiddenStateStore, HiddenStateWriter
-    from eval.evaluate import EvalInputError, evaluate_drafter
+    from eagle3.replay.evaluate import EvalInputError, evaluate_drafter
 
     model = load_drafter_dir(pipeline["final"], dtype=torch.float32)
     store = HiddenStateStore(write_store(tmp_path / "other_ids", hidden=64, hf_indices=[1, 3, 6]))

@@ -1,12 +1,12 @@
 """Evaluate a drafter on a validation hidden-state store: a plain function (model + store in,
-a JSON-friendly dict out) that `eval/run.py` and training's periodic validation both call.
+a JSON-friendly dict out) that `eval/stage.py` and training's periodic validation both call.
 
   * teacher-forced accuracy per TTT step, as training measures it (ARCHITECTURE.md "TTT
     indexing": same positions `loss_mask[t+k+2] & t2d[argmax_{t+k+1}]`, same d2t mapping), plus
     the conditional accuracy P(step k right | steps < k right at the same position), which is
     what a draft chain needs;
   * the simulated accept length (eagle3/accept_sim.py) for each SGLang knob setting, with the real
-    drafter (eval/drafter_session.py) and with n-gram prompt lookup on the same sequences.
+    drafter (eagle3/replay/drafter_session.py) and with n-gram prompt lookup on the same sequences.
 
 Imports only torch and eagle3 core modules (runs on the GPU machine without hydra/wandb).
 """
@@ -24,9 +24,9 @@ from eagle3.cost_model import accept_length_from_acceptance
 from eagle3.errors import StageError
 from eagle3.loss import loss_positions, shift_left
 from eagle3.ngram import PromptLookup
+from eagle3.replay.drafter_session import SequenceDrafter
+from eagle3.replay.tree_batch import all_cycle_trees
 from eagle3.ttt import TTTCache, ttt_position_ids
-from eval.drafter_session import SequenceDrafter
-from eval.tree_batch import all_cycle_trees
 
 DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
 MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
@@ -187,12 +187,12 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     -> {label: {name: stats}}.
 
     method="auto": chains (topk=1) are read off one teacher-forced TTT unroll, trees of all positions
-    are drafted in one batched pass (eval/tree_batch.py). That is exact, not an approximation: in a chain, draft j+1
+    are drafted in one batched pass (eagle3/replay/tree_batch.py). That is exact, not an approximation: in a chain, draft j+1
     only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
     a replay segment ARE the stored tokens the unroll feeds; its hidden inputs are the drafter's own
     outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
     chain's keys, which is the TTT attention pattern (eagle3/ttt.py). method="sequential" drafts
-    every visited cycle step by step (eval/drafter_session.py; the reference the tests compare against)."""
+    every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare against)."""
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: _stats(k, ngram) for k in knobs}

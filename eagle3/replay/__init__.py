@@ -1,0 +1,10 @@
+"""A drafter replayed on stored target sequences (no target forward): teacher-forced accuracy per
+TTT step and SGLang's accept length, drafting chains and trees from a hidden-state store.
+
+Shared by the eval stage (eval/stage.py), training's periodic validation (train/validate.py) and
+the study; imports only torch and eagle3 core modules.
+
+  drafter_session.py  the real drafter behind accept_sim's StepDrafter protocol, one sequence
+  tree_batch.py       SGLang's draft trees of every cycle start of a sequence in one batch
+  evaluate.py         evaluate_drafter / simulate_accept_length / teacher_forced_accuracy
+"""
