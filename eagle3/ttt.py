@@ -53,7 +53,8 @@ def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Grouped-query keys/values for a kernel that wants one per query head: [B, h_kv, L, d] -> [B, h, L, d]
-    (a view-expand; only copies when h_kv < h). Used by every cache's `attend` (here, eagle3/replay/drafter_session.py)."""
+    (a view-expand; only copies when h_kv < h). Used by every cache's `attend` (here,
+    eagle3/replay/drafter_session.py)."""
     B, hkv, L, d = x.shape
     if hkv == num_heads:
         return x

@@ -19,8 +19,8 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, as_plain_dict
 from eagle3.cost_model import PRESETS, Latencies, predict
 from eagle3.manifest import MANIFEST, atomic_write_json, fingerprint, write_manifest
-from eagle3.schema.eval import EvalConfig
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
+from eagle3.schema.eval import EvalConfig
 
 log = logging.getLogger(__name__)
 REPORT = "report.json"
@@ -135,7 +135,7 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
     from eagle3.store import HiddenStateStore
     from eagle3.target_io import load_embed_tokens, load_target, read_text_config
     from eval.plots import write_plots
-    from eval.real_check import real_vs_simulated
+    from eagle3.real_loop.check import real_vs_simulated
     from eval.summary import print_summary
 
     out_dir, drafter_dir = Path(cfg.out_dir), Path(cfg.drafter_dir)

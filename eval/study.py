@@ -9,7 +9,7 @@ error bars, through the stages themselves.
      the eval stage's `evaluate_drafter`: accuracy per TTT step, simulated accept length per knob;
   4. each final drafter and the zero-shot K2 drafter: the same on K2-like traffic (the K2 side's
      held-out store, served with k2-mini: what fine-tuning forgets), the simulated accept length over
-     a grid of SGLang knobs priced by the cost model, and a real speculative loop (eval/real_check.py);
+     a grid of SGLang knobs priced by the cost model, and a real speculative loop (eagle3/real_loop/check.py);
   5. the report (eval/study_report.py): curves with spread, a table mean +- std per budget, the token
      saving of the K2 start and the final difference with its interval, forgetting, knobs.
 
@@ -133,7 +133,7 @@ def curve(train_cfg, ev: Evaluator, knobs: list[SpecKnobs], max_sequences: Optio
 
 
 class RealCheck:
-    """The eval stage's real speculative loop (eval/real_check.py) against k25-mini, loaded once."""
+    """The eval stage's real speculative loop (eagle3/real_loop/check.py) against k25-mini, loaded once."""
 
     def __init__(self, eval_cfg, device: str, conf):
         from eagle3.target_io import load_target, read_text_config
@@ -151,7 +151,7 @@ class RealCheck:
                                            conf.num_prompts)
 
     def __call__(self, drafter) -> dict:
-        from eval.real_check import real_vs_simulated
+        from eagle3.real_loop.check import real_vs_simulated
 
         if not self.prompts:
             return {"skipped": "no validation sequence has a prompt before its first assistant token"}

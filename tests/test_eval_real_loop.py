@@ -1,15 +1,15 @@
-"""The real speculative-decoding loop (eval/real_loop.py) on the tiny Kimi-K2.5-layout target:
+"""The real speculative-decoding loop (eagle3/real_loop/chain.py) on the tiny Kimi-K2.5-layout target:
 lossless against the target's own greedy decode, and its accept length equal to the replay's
-(eval/real_check.py) for a drafter fitted in a few steps to the target's greedy outputs."""
+(eagle3/real_loop/check.py) for a drafter fitted in a few steps to the target's greedy outputs."""
 import pytest
 import torch
 
 from eagle3.accept_sim import SpecKnobs
 from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.real_loop.chain import eos_ids, greedy_decode, speculative_decode
+from eagle3.real_loop.check import capture_sequence, real_vs_simulated
 from eagle3.target_io import load_embed_tokens, load_lm_head_rows, load_target
 from eagle3.unroll import ttt_unroll
-from eval.real_check import capture_sequence, real_vs_simulated
-from eval.real_loop import eos_ids, greedy_decode, speculative_decode
 from tests.conftest import TINY_TARGET_HIDDEN, TINY_VOCAB
 
 AUX_H = [2, 4, 5]  # hidden-state indices h (SGLang's default for the tiny targets' 8 layers)
@@ -77,7 +77,7 @@ def test_speculative_decode_is_lossless_with_a_random_drafter(target, tiny_k25_t
 
 @pytest.mark.parametrize("knobs,fit", [(SpecKnobs(3, 2, 6), True), (SpecKnobs(2, 3, 5), False)])
 def test_tree_speculative_decode_is_lossless(target, tiny_k25_target, fitted, knobs, fit):
-    from eval.real_tree import tree_speculative_decode
+    from eagle3.real_loop.tree import tree_speculative_decode
 
     ps, fitted_drafter_ = fitted
     d = fitted_drafter_ if fit else new_drafter(tiny_k25_target).eval()

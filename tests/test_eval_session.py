@@ -5,11 +5,11 @@ import torch
 
 from eagle3.accept_sim import SpecKnobs, build_sglang_tree
 from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.replay.drafter_session import SequenceDrafter
+from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 from eagle3.store import HiddenStateStore, HiddenStateWriter
 from eagle3.ttt import KVCache
 from eagle3.unroll import ttt_unroll
-from eagle3.replay.drafter_session import SequenceDrafter
-from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 
 V, DV, H, HT = 40, 24, 16, 12
 

@@ -9,12 +9,12 @@ import torch
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, compose, to_schema
 from eagle3.drafter_io import save_drafter_dir
+from eagle3.real_loop.chain import greedy_decode
+from eagle3.real_loop.check import capture_sequence
+from eagle3.replay.evaluate import EvalInputError
 from eagle3.schema.eval import EvalConfig
 from eagle3.store import HiddenStateWriter
 from eagle3.target_io import load_target
-from eagle3.replay.evaluate import EvalInputError
-from eval.real_check import capture_sequence
-from eval.real_loop import greedy_decode
 from eval.stage import latencies_from_config, run_eval
 from tests.conftest import TINY_TARGET_HIDDEN
 from tests.test_eval_real_loop import AUX_H, new_drafter, prompts

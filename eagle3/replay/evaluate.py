@@ -187,12 +187,13 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     -> {label: {name: stats}}.
 
     method="auto": chains (topk=1) are read off one teacher-forced TTT unroll, trees of all positions
-    are drafted in one batched pass (eagle3/replay/tree_batch.py). That is exact, not an approximation: in a chain, draft j+1
-    only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
+    are drafted in one batched pass (eagle3/replay/tree_batch.py). That is exact, not an approximation: in a
+    chain, draft j+1 only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
     a replay segment ARE the stored tokens the unroll feeds; its hidden inputs are the drafter's own
     outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
     chain's keys, which is the TTT attention pattern (eagle3/ttt.py). method="sequential" drafts
-    every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare against)."""
+    every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare
+    against)."""
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: _stats(k, ngram) for k in knobs}

@@ -42,7 +42,7 @@ class CurveConf:
 
 @dataclass
 class RealCheckConf:
-    """The real speculative loop run on every final drafter (eval/real_check.py)."""
+    """The real speculative loop run on every final drafter (eagle3/real_loop/check.py)."""
     num_prompts: int = 4
     max_new_tokens: int = 32
     knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 2, 6)])

@@ -18,10 +18,10 @@ import time
 import torch
 
 from eagle3.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.real_loop.chain import SpecResult, TargetRunner, elapsed_ms, eos_ids, sync_device
+from eagle3.replay.drafter_session import BeamCache
 from eagle3.target_io import AuxHiddenCapture
 from eagle3.ttt import KVCache
-from eagle3.replay.drafter_session import BeamCache
-from eval.real_loop import SpecResult, TargetRunner, elapsed_ms, eos_ids, sync_device
 
 
 class LiveTreeDrafter:

@@ -1,6 +1,6 @@
 """A real speculative-decoding loop: the target (transformers) verifies the drafter's chain with real
 forward passes. Greedy, batch 1, KV caches for both models; chain drafts (topk = 1) here, trees
-(topk > 1) in eval/real_tree.py.
+(topk > 1) in eagle3/real_loop/tree.py.
 
 One cycle, with x_q the last verified token (the target's cache holds positions 0..q-1, the
 drafter's cache the extend pairs (aux_t, x_{t+1}) for t = 0..q-1 and its output at q-1):
@@ -66,7 +66,7 @@ class SpecResult:
 
 def eos_ids(eos_token_id) -> set[int]:
     """The stop ids of a config's `eos_token_id`: None | int | list of ints (HF allows all three) -> set.
-    Every real decode loop (chain here, tree in eval/real_tree.py) stops on them as the baseline does."""
+    Every real decode loop (chain here, tree in eagle3/real_loop/tree.py) stops on them as the baseline does."""
     if eos_token_id is None:
         return set()
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}

@@ -1,9 +1,9 @@
 """The real loop against the simulation and the cost model, on the same sequences.
 
 For each prompt: the target's plain greedy decode (reference + baseline timing), the real
-speculative decode per knob setting (chain: eval/real_loop.py, tree: eval/real_tree.py) (must be token-identical: lossless), then the replay of
-eagle3/accept_sim.py over prompt + the target's greedy output (captured by one target forward),
-which must give the same accept length; and the cost model fed with the real loop's measured
+speculative decode per knob setting (chain: eagle3/real_loop/chain.py, tree: eagle3/real_loop/tree.py;
+must be token-identical: lossless), then the replay of eagle3/accept_sim.py over prompt + the target's
+greedy output (captured by one target forward), which must give the same accept length; and the cost model fed with the real loop's measured
 latencies, whose predicted tok/s is compared with the loop's measured tok/s.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
 from eagle3.cost_model import measured_latencies, predict
-from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
+from eagle3.real_loop.chain import greedy_decode, speculative_decode
+from eagle3.real_loop.tree import tree_speculative_decode
 from eagle3.replay.drafter_session import SequenceDrafter
-from eval.real_loop import greedy_decode, speculative_decode
-from eval.real_tree import tree_speculative_decode
+from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def real_vs_simulated(target, drafter, prompts: Sequence[torch.Tensor], knobs: S
     """Per knob setting: lossless flag, real and simulated accept length, measured latencies, and the
     cost model's prediction from those latencies next to the measured speed."""
     drafter.eval()
-    chains = list(knobs)  # every knob: chains by eval/real_loop.py, trees by eval/real_tree.py
+    chains = list(knobs)  # every knob: chains by eagle3/real_loop/chain.py, trees by eagle3/real_loop/tree.py
     out: dict = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "knobs": {}, "skipped_knobs": []}
     base_ms: list[float] = []
     runs = {k.label: {"emitted": [], "sim": AcceptStats(k.max_depth), "lossless": True, "draft": [], "verify": [],
@@ -84,7 +84,7 @@ def real_vs_simulated(target, drafter, prompts: Sequence[torch.Tensor], knobs: S
         if base_ms and r["emitted"]:
             lat = measured_latencies(baseline_token_ms, {k.num_draft_tokens: entry["verify_ms"]},
                                      draft_step_ms=entry["draft_step_ms"], draft_extend_ms=entry["extend_ms"],
-                                     source="measured by eval/real_loop.py")
+                                     source="measured by eagle3/real_loop/chain.py")
             entry["prediction_from_measured"] = predict(max(r["sim"].accept_length, 1.0), lat, k.num_steps,
                                                         k.num_draft_tokens).to_dict()
         out["knobs"][k.label] = entry
