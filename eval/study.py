@@ -13,7 +13,7 @@ error bars, through the stages themselves.
   5. the report (eval/study_report.py): curves with spread, a table mean +- std per budget, the token
      saving of the K2 start and the final difference with its interval, forgetting, knobs.
 
-Each run's measurements go to `<out_dir>/runs/<name>.json` as soon as they exist (a rerun reuses
+Each run's measurements go to `<out_dir>/records/<name>.json` as soon as they exist (a rerun reuses
 them while the train run's manifest is unchanged), so an interrupted study loses at most one run's
 evaluation, and `report_only=true` rebuilds the report from them.
 """
@@ -29,7 +29,7 @@ import torch
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import as_plain_dict, compose, to_schema
 from eagle3.manifest import atomic_write_json, sha256_file
-from eval.study_report import NGRAM_FILE, ZERO_SHOT, load_records, write_report
+from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, write_report
 
 
 
@@ -210,7 +210,7 @@ def run_study(cfg) -> Path:
     from eval.demo import build_experiment, stage_log
 
     if cfg.report_only:
-        return write_report(cfg, load_records(Path(cfg.out_dir) / "runs"), Path(cfg.out_dir))
+        return write_report(cfg, load_records(Path(cfg.out_dir) / RECORDS), Path(cfg.out_dir))
     t0 = time.time()
     log = stage_log(cfg, "study")
     return study_on(cfg, build_experiment(cfg, log), log, t0)
@@ -222,7 +222,7 @@ def study_on(cfg, exp, log, t0: float) -> Path:
     from eagle3.schema.train import TrainConfig
 
     out_dir = Path(cfg.out_dir)
-    runs_dir = out_dir / "runs"
+    runs_dir = out_dir / RECORDS
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.eval_device == "auto" else cfg.eval_device
     eval_cfgs = {side: to_schema(compose("eval", over + list(cfg.overrides.eval)), EvalConfig)
                  for side, over in (("k25", exp.k25), ("k2", exp.k2))}

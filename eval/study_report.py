@@ -1,4 +1,4 @@
-"""The study's report from its run records (`<out_dir>/runs/*.json`, written by eval/study.py):
+"""The study's report from its run records (`<out_dir>/records/*.json`, written by eval/study.py):
 curves with their spread over seeds, a table mean +- std per training budget, the derived answers,
 what fine-tuning forgets, the knob search and a recommendation. Plots: matplotlib, Agg backend."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ from eagle3.manifest import atomic_write_bytes, atomic_write_json
 from eval.study_stats import mean_std, token_saving, welch_interval
 
 ZERO_SHOT = "k2_zero_shot"
+RECORDS = "records"   # <out_dir>/records/<name>.json: one per measured drafter
 NGRAM, NGRAM_FILE = "ngram", "ngram.json"   # n-gram prompt lookup over the knob grid (no drafter)
 LABELS = {"scratch": "from scratch", "aqmedai_k2": "from the K2 drafter", ZERO_SHOT: "K2 drafter, zero-shot",
           NGRAM: "n-gram prompt lookup (no drafter)"}
@@ -236,7 +237,7 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not records:
-        raise ConfigError(f"no run records under {out_dir / 'runs'}: run the study first (report_only=false)")
+        raise ConfigError(f"no run records under {out_dir / RECORDS}: run the study first (report_only=false)")
     records = [r for r in records if r["init"] == ZERO_SHOT or (r["init"] in cfg.inits and r["seed"] in cfg.seeds)]
     groups = by_init(records, cfg.inits)
     zs = groups.get(ZERO_SHOT, [None])[0]

@@ -114,9 +114,9 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     cfg = config()
     out = study_on(cfg, exp, StageLog(threads=1), time.time())
 
-    runs = sorted(p.stem for p in (out / "runs").glob("*.json"))
+    runs = sorted(p.stem for p in (out / "records").glob("*.json"))
     assert runs == ["aqmedai_k2-seed0", "aqmedai_k2-seed1", "k2_zero_shot", "scratch-seed0", "scratch-seed1"]
-    rec = json.loads((out / "runs" / "scratch-seed1.json").read_text())
+    rec = json.loads((out / "records" / "scratch-seed1.json").read_text())
     assert [p["step"] for p in rec["points"]] == [0, 2, 4]
     tokens = [p["tokens"] for p in rec["points"]]
     assert tokens[0] == 0 and tokens[1] > 0 and tokens[2] > tokens[1]
@@ -127,9 +127,9 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     assert rec["final"]["real"]["2/1/3"]["lossless"] is True
     assert len(rec["final"]["k2_traffic"]["acc"]) == 3
     # every run trained its own drafter: seeds differ in data order (tokens per budget) and weights
-    keys = {json.loads((out / "runs" / f"{n}.json").read_text())["key"]["drafter_sha256"] for n in runs}
+    keys = {json.loads((out / "records" / f"{n}.json").read_text())["key"]["drafter_sha256"] for n in runs}
     assert len(keys) == len(runs)
-    s0 = json.loads((out / "runs" / "scratch-seed0.json").read_text())
+    s0 = json.loads((out / "records" / "scratch-seed0.json").read_text())
     assert [p["tokens"] for p in s0["points"]] != tokens
 
     report = json.loads((out / "report.json").read_text())

@@ -98,7 +98,7 @@ class StudyConfig:
     knob_grid: KnobGridConf = field(default_factory=KnobGridConf)
     cost: CostConf = field(default_factory=CostConf)
     wandb: StudyWandbConf = field(default_factory=StudyWandbConf)
-    report_only: bool = False         # rebuild the report from <out_dir>/runs/*.json without running anything
+    report_only: bool = False         # rebuild the report from <out_dir>/records/*.json without running anything
     seed: int = 0
     num_threads: int = 0              # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
 
