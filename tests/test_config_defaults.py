@@ -144,10 +144,6 @@ def _string_tuples(path: Path):
                 yield frozenset(e.value for e in c.elts), c.lineno
 
 
-# The study's schema (issue 19) moves to the shared lists with its own change.
-NOT_YET_SHARED = {"eagle3/schema/study.py"}
-
-
 def test_each_choice_list_is_defined_once():
     lists = {frozenset(v): name for name, v in vars(choices).items()
              if isinstance(v, tuple) and len(v) >= 2 and all(isinstance(x, str) for x in v)}
@@ -156,7 +152,7 @@ def test_each_choice_list_is_defined_once():
     copies = []
     for folder in ("eagle3", "data", "train", "eval"):
         for path in sorted((REPO_ROOT / folder).rglob("*.py")):
-            if path.resolve() == choices_file or path.relative_to(REPO_ROOT).as_posix() in NOT_YET_SHARED:
+            if path.resolve() == choices_file:
                 continue
             copies += [f"{path.relative_to(REPO_ROOT)}:{line} repeats choices.{lists[values]}"
                        for values, line in _string_tuples(path) if values in lists]

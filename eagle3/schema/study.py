@@ -6,13 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from eagle3.choices import DEVICES, INITS
 from eagle3.conf import ConfigError
-from eagle3.schema.common import PathsConf
+from eagle3.schema.common import PathsConf, WandbConf
 from eagle3.schema.demo import StageOverrides
 from eagle3.schema.eval import CostConf, KnobConf
-
-STUDY_INITS = ("scratch", "aqmedai_k2")
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _check_knobs(knobs: List[KnobConf], where: str) -> None:
@@ -71,16 +69,6 @@ class KnobGridConf:
 
 
 @dataclass
-class StudyWandbConf:
-    mode: str = "offline"
-    project: str = "eagle3-study"
-
-    def validate(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
-
-
-@dataclass
 class StudyConfig:
     paths: PathsConf
     out_dir: str                      # report.md / report.json / plots
@@ -88,7 +76,7 @@ class StudyConfig:
     train_steps: int                  # optimizer steps per run (the demo size's budget)
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seeds: List[int] = field(default_factory=lambda: [0, 1, 2])
-    inits: List[str] = field(default_factory=lambda: list(STUDY_INITS))
+    inits: List[str] = field(default_factory=lambda: ["scratch", "aqmedai_k2"])  # each one of eagle3.choices.INITS
     primary_knob: str = "2/1/3"       # the setting the derived answers (token saving, final difference) use
     confidence: float = 0.95
     eval_device: str = "auto"         # auto | cpu | cuda
@@ -97,7 +85,7 @@ class StudyConfig:
     real_check: RealCheckConf = field(default_factory=RealCheckConf)
     knob_grid: KnobGridConf = field(default_factory=KnobGridConf)
     cost: CostConf = field(default_factory=CostConf)
-    wandb: StudyWandbConf = field(default_factory=StudyWandbConf)
+    wandb: WandbConf = field(default_factory=lambda: WandbConf(project="eagle3-study"))  # every run of the study, grouped by init
     report_only: bool = False         # rebuild the report from <out_dir>/records/*.json without running anything
     seed: int = 0
     num_threads: int = 0              # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
@@ -105,9 +93,9 @@ class StudyConfig:
     def validate(self) -> None:
         if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds={self.seeds}: at least two distinct seeds (a spread needs two)")
-        bad = [i for i in self.inits if i not in STUDY_INITS]
+        bad = [i for i in self.inits if i not in INITS]
         if bad or len(set(self.inits)) != len(self.inits) or not self.inits:
-            raise ConfigError(f"inits={self.inits}: distinct values from {STUDY_INITS}")
+            raise ConfigError(f"inits={self.inits}: distinct values from {INITS}")
         if self.train_steps < 1:
             raise ConfigError(f"train_steps={self.train_steps}: must be >= 1")
         if self.curve.points - 1 > self.train_steps:
@@ -119,5 +107,5 @@ class StudyConfig:
             raise ConfigError(f"primary_knob={self.primary_knob!r} is not one of curve.knobs")
         if self.num_threads < 0:
             raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
-        if self.eval_device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"eval_device={self.eval_device!r}: expected auto, cpu or cuda")
+        if self.eval_device not in DEVICES:
+            raise ConfigError(f"eval_device={self.eval_device!r}: expected one of {DEVICES}")
