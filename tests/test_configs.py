@@ -1,11 +1,10 @@
 """Every primary config composes with every target and init choice, and validates against
 its typed schema."""
-import importlib
 from pathlib import Path
 
 import pytest
 
-from eagle3.conf import CONF_DIR, ConfigError, compose, to_schema
+from eagle3.conf import CONF_DIR, ConfigError, compose, stage_schema, to_schema
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
@@ -20,13 +19,6 @@ def test_config_tree_has_required_choices():
     assert {"k2_mini", "k25_mini", "kimi_k25"} <= set(TARGETS)
     assert {"aqmedai_k2", "scratch"} <= set(INITS)
     assert {"mini_world", "prepare", "capture", "vocab", "train", "eval", "export"} <= set(STAGES)
-
-
-def stage_schema(stage):
-    """Each stage's schema lives in eagle3/schema/<stage>.py as `<Stage>Config`."""
-    mod = importlib.import_module(f"eagle3.schema.{stage}")
-    name = "".join(part.capitalize() for part in stage.split("_")) + "Config"
-    return getattr(mod, name)
 
 
 @pytest.mark.parametrize("stage", TARGETED)
