@@ -9,11 +9,7 @@ Order of work, so that bad input fails before the (possibly 10-minute) model loa
   2. reuse: a stage manifest matching config + inputs returns at once;
   3. load the target, capture each split, merge the parts of a multi-process run, write manifest.
 
-Batching is global and deterministic: the sequences of a split are sorted by length (longest
-first, ties by dataset index) and cut into batches of at most `max_tokens_per_batch` padded
-tokens; process r of N takes batches r, r+N, ... . A batch is computed the same way whatever N
-is, and a resumed run recomputes exactly the batches it had not committed, so resumed and
-multi-process stores read identically to an uninterrupted one-process store.
+Batching is global and deterministic (data/capture_plan.py); process r of N takes batches r, r+N, ...
 
 After each batch the loop fires the test hook point `capture.after_batch` (eagle3/hooks.py; nothing
 is installed outside tests): a resume test slows the capture there so it can kill it mid-work.
@@ -31,17 +27,13 @@ from typing import Callable
 
 import torch
 
+from data.capture_plan import CaptureError, Seq, make_batches, plan_split
 from eagle3 import aux_layers, hooks, target_io
 from eagle3.aux_layers import AuxChoice, AuxLayerError
 from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
-from eagle3.errors import StageError
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
 
 PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
-
-
-class CaptureError(StageError, RuntimeError):
-    """A capture that cannot start or continue, with the reason."""
 
 
 @dataclass
@@ -54,14 +46,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-@dataclass
-class Seq:
-    index: int  # row in the prepared split
-    id: str
-    length: int  # after truncation
-    order: int = -1  # position in the length-sorted list: the store's global order
 
 
 def target_fingerprint(path: str | Path, full_hash_limit: int = 1 << 30) -> str:
@@ -84,43 +68,6 @@ def target_fingerprint(path: str | Path, full_hash_limit: int = 1 << 30) -> str:
                 n = int.from_bytes(fh.read(8), "little")
                 h.update(f.name.encode() + fh.read(n))
     return h.hexdigest()
-
-
-def plan_split(ds, limit: int | None, max_len: int, on_overlong: str) -> tuple[list[Seq], dict]:
-    """Sequences to capture, length-sorted (longest first), and the overlong counts."""
-    import pyarrow.compute as pc
-
-    n = len(ds) if limit is None else min(limit, len(ds))
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    lengths = pc.list_value_length(table.column("input_ids")).to_pylist()[:n]
-    ids = table.column("id").to_pylist()[:n]
-    seqs, skipped_overlong, truncated = [], [], 0
-    for i, (sid, T) in enumerate(zip(ids, lengths)):
-        if T > max_len:
-            if on_overlong == "skip":
-                skipped_overlong.append(str(sid))
-                continue
-            truncated += 1
-            T = max_len
-        seqs.append(Seq(i, str(sid), int(T)))
-    seqs.sort(key=lambda s: (-s.length, s.index))
-    for k, s in enumerate(seqs):
-        s.order = k
-    return seqs, {"truncated": truncated, "skipped_overlong": skipped_overlong}
-
-
-def make_batches(seqs: list[Seq], max_tokens: int) -> list[list[Seq]]:
-    """Consecutive runs of the (longest-first) list with len(batch) * longest <= max_tokens;
-    a sequence longer than the budget gets a batch of its own."""
-    batches, cur = [], []
-    for s in seqs:
-        if cur and (len(cur) + 1) * cur[0].length > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def check_dataset(ds, split: str, vocab_size: int) -> None:

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from data.capture import CaptureError, Seq, make_batches
+from data.capture_plan import CaptureError, Seq, make_batches
 from eagle3 import target_io, vllm_protocol
 from eagle3.fast_kernels import rms_norm
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError

@@ -23,42 +23,16 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3 import aux_layers
-from eagle3.conf import compose, to_schema
+from eagle3.conf import compose, stage_schema, to_schema
 from eagle3.cpu_threads import WAIT_POLICY, auto_threads
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
+from eagle3.stages import entry_point
 
 
 def _runner(stage: str) -> tuple[type, Callable]:
-    """(schema, run function) of a stage, imported lazily (each stage's own entry point)."""
-    if stage == "mini_world":
-        from data.mini_world.build import run_mini_world
-        from eagle3.schema.mini_world import MiniWorldConfig
-        return MiniWorldConfig, run_mini_world
-    if stage == "prepare":
-        from data.prepare import run_prepare
-        from eagle3.schema.prepare import PrepareConfig
-        return PrepareConfig, run_prepare
-    if stage == "capture":
-        from data.capture import run_capture
-        from eagle3.schema.capture import CaptureConfig
-        return CaptureConfig, run_capture
-    if stage == "vocab":
-        from data.vocab import run_vocab
-        from eagle3.schema.vocab import VocabConfig
-        return VocabConfig, run_vocab
-    if stage == "train":
-        from eagle3.schema.train import TrainConfig
-        from train.loop import run_train
-        return TrainConfig, run_train
-    if stage == "eval":
-        from eagle3.schema.eval import EvalConfig
-        from eval.stage import run_eval
-        return EvalConfig, run_eval
-    if stage == "export":
-        from eagle3.schema.export import ExportConfig
-        from eval.export import run_export
-        return ExportConfig, run_export
-    raise ValueError(f"unknown stage {stage!r}")
+    """(schema, run function) of a stage, imported lazily through the registry (eagle3/stages.py): the
+    stage's own entry point, without eval/ importing data/ or train/."""
+    return stage_schema(stage), entry_point(stage)
 
 
 @dataclass
@@ -87,7 +61,7 @@ def run_restarting_stale_training(run: Callable, typed) -> Path:
     """The train stage refuses to resume checkpoints written from other inputs (after a rerun of the
     demo with other settings, its capture changed). The demo owns its stage dirs: it drops those
     checkpoints and trains again, once."""
-    from train.checkpoint import CheckpointError
+    from eagle3.checkpoints import CheckpointError
 
     try:
         return run(typed)

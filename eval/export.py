@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3 import aux_layers, export_spec as spec
+from eagle3.checkpoints import INDEX_FILE, index_problems
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
 from eagle3.model import config_sizes, rope_settings
@@ -168,24 +169,12 @@ def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
 
 
 def _checksum_problems(ckpt: Path) -> list[str]:
-    """A training checkpoint (`checkpoints/step-N/`) lists its files' sha256 in `checkpoint.json`:
-    a truncated or bit-flipped weight file must not be exported (it would load and serve)."""
-    index_path = ckpt / "checkpoint.json"
-    if not index_path.is_file():
+    """A training checkpoint (`checkpoints/step-N/`, `final/`) lists its files' sha256 in `checkpoint.json`:
+    a truncated or bit-flipped weight file must not be exported (it would load and serve). A drafter
+    directory without the index (not written by training) has nothing to check."""
+    if not (ckpt / INDEX_FILE).is_file():
         return []
-    try:
-        files = json.loads(index_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        return [f"{index_path}: unreadable checkpoint index ({e})"]
-    out = []
-    for name, meta in files.items():
-        f = ckpt / name
-        if not f.is_file():
-            out.append(f"{f}: listed in checkpoint.json but missing")
-        elif f.stat().st_size != meta.get("bytes") or sha256_file(f) != meta.get("sha256"):
-            out.append(f"{f}: does not match its sha256 in checkpoint.json (truncated or corrupt); "
-                       f"export an earlier checkpoint or retrain")
-    return out
+    return [f"{p}; export an earlier checkpoint or retrain" for p in index_problems(ckpt)]
 
 
 def compatibility_problems(sglang_cfg: dict, src: Sources) -> tuple[list[str], list[str]]:

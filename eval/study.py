@@ -112,16 +112,14 @@ class Evaluator:
 
 def init_drafter(train_cfg):
     """The drafter the train run starts from (0 training tokens), built by train's own code."""
-    from train.inputs import open_inputs
-    from train.model_setup import build_drafter
+    from eagle3.stages import entry_point
 
-    drafter, _ = build_drafter(train_cfg, open_inputs(train_cfg))
-    return drafter
+    return entry_point("train.init_drafter")(train_cfg)
 
 
 def curve(train_cfg, ev: Evaluator, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> list[dict]:
     """[{step, tokens, metrics}] at 0 tokens (the init drafter) and at every kept checkpoint."""
-    from train.checkpoint import list_checkpoints, load_training_state
+    from eagle3.checkpoints import list_checkpoints, load_training_state
 
     points = [{"step": 0, "tokens": 0, **ev.metrics(init_drafter(train_cfg), knobs, max_sequences)}]
     for step, path in list_checkpoints(Path(train_cfg.out_dir) / "checkpoints"):

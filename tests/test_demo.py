@@ -57,7 +57,7 @@ def test_stale_training_checkpoints_are_dropped_once_and_other_errors_kept(tmp_p
     from types import SimpleNamespace
 
     from eval.demo import run_restarting_stale_training
-    from train.checkpoint import CheckpointError
+    from eagle3.checkpoints import CheckpointError
 
     out = tmp_path / "train-scratch"
     (out / "checkpoints" / "step-000040").mkdir(parents=True)

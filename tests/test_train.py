@@ -90,7 +90,7 @@ def test_aqmedai_init_remaps_and_trains_and_a_rerun_is_reused_or_extended(world,
 
 
 def test_changed_settings_refuse_to_resume_a_foreign_checkpoint(world, tmp_path):
-    from train.checkpoint import CheckpointError
+    from eagle3.checkpoints import CheckpointError
 
     out = tmp_path / "x"
     run_train(config_for(world, out, "scratch", max_steps=4, epochs="null"))

@@ -1,6 +1,6 @@
-"""Training checkpoints: `out_dir/checkpoints/step-NNNNNN/` holding a drafter directory (the
-shared layout, loadable by eval/export) plus `training_state.pt` (fp32 trainable weights,
-optimizer, scheduler, RNG, data position, counters) and `checkpoint.json` (sha256 of each file).
+"""Writing training checkpoints and resuming from them. The directory format (`out_dir/checkpoints/
+step-NNNNNN/`: a drafter directory, `training_state.pt`, `checkpoint.json`) and its verified reading
+live in eagle3/checkpoints.py, which the export and the study read too.
 
 Atomicity: a checkpoint is written into `checkpoints/.tmp-step-NNNNNN-<pid>/`, fsynced, then
 renamed to its final name, so a `step-*` directory is always complete; leftovers of a killed
@@ -14,34 +14,21 @@ otherwise.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
+from eagle3.checkpoints import (STATE_FILE, CheckpointError, latest_checkpoint, list_checkpoints, load_training_state,
+                                read_checkpoint_weights, step_dir_name, write_file_index)
 from eagle3.conf import as_plain_dict
-from eagle3.errors import StageError
-from eagle3.manifest import atomic_write_json, sha256_file
 
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
-STATE_FILE = "training_state.pt"
-INDEX_FILE = "checkpoint.json"
 # Config keys that may change between a run and its resumption (length, logging, I/O knobs).
 RESUMABLE_CHANGES = ("max_steps", "epochs", "log_every", "val_every", "val_max_batches", "checkpoint_every",
                      "keep_checkpoints", "progress", "wandb", "on_nonfinite", "max_nonfinite_skips")
-
-
-class CheckpointError(StageError, RuntimeError):
-    """A checkpoint that cannot be resumed from (corrupt, or from an incompatible run)."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def rng_state() -> dict:
@@ -79,14 +66,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_index(directory: Path, step: int) -> None:
-    """`checkpoint.json`: size and sha256 of every file in `directory`, so a reader (resume, the
-    export) can refuse a truncated or bit-flipped file by name."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(Path(directory).iterdir()) if p.is_file() and p.name != INDEX_FILE}
-    atomic_write_json(Path(directory) / INDEX_FILE, {"step": step, "files": files})
-
-
 def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], None], state: dict,
                     keep_last: int) -> Path:
     """Write checkpoint `step` atomically; `write_drafter(dir)` writes the drafter directory files.
@@ -121,19 +100,6 @@ def save_checkpoint(ckpt_root: Path, step: int, write_drafter: Callable[[Path], 
     return final
 
 
-def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
-    ckpt_root = Path(ckpt_root)
-    if not ckpt_root.is_dir():
-        return []
-    out = []
-    for p in ckpt_root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
@@ -152,47 +118,6 @@ def remove_partial_checkpoints(ckpt_root: Path) -> list[str]:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             gone.append(p.name)
     return gone
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Check every file against checkpoint.json; raise CheckpointError naming the bad file."""
-    path = Path(path)
-    index_path = path / INDEX_FILE
-    what_to_do = f"delete {path} to resume from the previous checkpoint (or start over in a new out_dir)"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index_path}: unreadable checkpoint index ({e}); {what_to_do}") from e
-    for name, meta in index["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing from checkpoint; {what_to_do}")
-        if f.stat().st_size != meta["bytes"] or sha256_file(f) != meta["sha256"]:
-            raise CheckpointError(f"{f}: does not match its checksum in {INDEX_FILE} (truncated or corrupt); {what_to_do}")
-
-
-def load_training_state(path: Path) -> dict[str, Any]:
-    verify_checkpoint(path)
-    try:
-        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
-    except Exception as e:  # verified bytes that still do not unpickle: written by another version
-        raise CheckpointError(f"{Path(path) / STATE_FILE}: cannot be loaded ({e})") from e
-
-
-def latest_checkpoint(ckpt_root: Path) -> Optional[tuple[int, Path]]:
-    found = list_checkpoints(ckpt_root)
-    return found[-1] if found else None
-
-
-def read_checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The drafter weights of a checkpoint (fp32 master weights, SGLang names, no embeddings)."""
-    from safetensors.torch import load_file
-
-    f = Path(path) / "model.safetensors"
-    try:
-        return load_file(str(f))
-    except Exception as e:
-        raise CheckpointError(f"{f}: cannot be read ({e}); delete {path} to resume from the previous checkpoint") from e
 
 
 def run_key(config, fingerprints: dict, world_size: int) -> dict:

@@ -12,7 +12,7 @@ from eagle3.drafter_io import assert_compatible, save_drafter_dir
 from eagle3.init_drafter import build_training_drafter
 from eagle3.model import Eagle3Drafter
 from eagle3.vocab_map import ids_from_d2t
-from train.inputs import TrainInputError, check_store_fits_drafter, check_vocab_fits_drafter
+from train.inputs import TrainInputError, check_store_fits_drafter, check_vocab_fits_drafter, open_inputs
 
 
 def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
@@ -40,6 +40,13 @@ def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
                               f"({drafter.config.draft_vocab_size} x {store.hidden_size})")
     report["lm_head_rows"] = rows
     return drafter, report
+
+
+def init_drafter(config) -> Eagle3Drafter:
+    """The drafter a train run with this config starts from (0 training tokens), its inputs opened and
+    checked as the run would: the study's first curve point (eagle3/stages.py `train.init_drafter`)."""
+    drafter, _ = build_drafter(config, open_inputs(config))
+    return drafter
 
 
 def drafter_from_state(drafter: Eagle3Drafter, state: dict[str, torch.Tensor]) -> None:

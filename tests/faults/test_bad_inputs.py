@@ -52,7 +52,7 @@ def lone_checkpoint(pipeline, tmp_path) -> Path:
 def test_corpus_of_malformed_records_is_counted_and_the_good_ones_kept(tmp_path, tiny_tokenizer):
     from data.prepare import run_prepare
     from eagle3.manifest import read_manifest
-    from test_prepare import GOOD, conv, prepare_config
+    from tests.fixtures.prepare import GOOD, conv, prepare_config
 
     src = tmp_path / "bad.jsonl"
     with open(src, "wb") as f:
@@ -91,7 +91,7 @@ def test_corpus_of_malformed_records_is_counted_and_the_good_ones_kept(tmp_path,
 def test_an_empty_validation_split_is_readable_or_refused_clearly(tmp_path, tiny_tokenizer):
     import datasets
     from data.prepare import run_prepare
-    from test_prepare import GOOD, prepare_config, write_jsonl
+    from tests.fixtures.prepare import GOOD, prepare_config, write_jsonl
 
     out = run_prepare(prepare_config(tmp_path, tiny_tokenizer, write_jsonl(tmp_path / "c.jsonl", GOOD[:3]),
                                      "validation_fraction=0.0"))
@@ -111,7 +111,7 @@ def test_export_refuses_a_capture_from_another_target(pipeline, tmp_path):
 def reindex(drafter_dir):
     """Re-write final/checkpoint.json after editing a file: a checkpoint a trainer wrote this way
     (so the checksums hold and the export's own validation is what must catch the problem)."""
-    from train.checkpoint import INDEX_FILE, write_file_index
+    from eagle3.checkpoints import INDEX_FILE, write_file_index
 
     write_file_index(drafter_dir, json.loads((drafter_dir / INDEX_FILE).read_text())["step"])
 
@@ -219,7 +219,7 @@ def test_a_server_reply_that_is_not_encodable_fails_only_its_conversation(tmp_pa
     from data.openai_server import ChatServer, echo_generate
     from data.prepare import run_prepare
     from eagle3.manifest import read_manifest
-    from test_prepare import GOOD, conv, prepare_config, write_jsonl
+    from tests.fixtures.prepare import GOOD, conv, prepare_config, write_jsonl
 
     def generate(messages, *args):
         text, reason = echo_generate(messages, *args)

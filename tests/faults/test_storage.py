@@ -117,7 +117,7 @@ def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_p
 # ------------------------------------------------------------------ checkpoints and drafter dirs
 
 def test_truncated_or_flipped_training_checkpoint_is_refused_on_resume(pipeline, tmp_path):
-    from train.checkpoint import CheckpointError
+    from eagle3.checkpoints import CheckpointError
     from train.loop import run_train
 
     out = copy_tree(pipeline["train_out"], tmp_path / "train")
@@ -212,13 +212,13 @@ def test_disk_full_during_a_training_checkpoint_loses_nothing_finished(pipeline,
     """A checkpoint write fails partway (EFBIG): no step directory is half there, and the same command
     with space back resumes from the last complete checkpoint to the uninterrupted run's weights."""
     from safetensors.torch import load_file
-    from train.checkpoint import list_checkpoints
+    from eagle3.checkpoints import list_checkpoints
     from train.loop import run_train
 
     ref = run_train(train_config(pipeline, tmp_path / "ref", max_steps=6))
     state = sorted((Path(ref) / "checkpoints").iterdir())[0] / "training_state.pt"
     out = tmp_path / "full"
-    from train.checkpoint import CheckpointError
+    from eagle3.checkpoints import CheckpointError
 
     # RELIABILITY.md F4 (fixed): the failed write is named, with its likely cause
     with file_size_limit(state.stat().st_size // 2), pytest.raises(CheckpointError, match=r"step-\d+.*disk full"):
