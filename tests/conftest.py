@@ -12,7 +12,7 @@ convention (copy before modifying):
 - `tiny_k2_target` -> Path: a random `DeepseekV3ForCausalLM` checkpoint (MLA + MoE, 8 layers so
   SGLang's default aux layers [2, L//2, L-3] = [2, 4, 5] are distinct, hidden 64, vocab 512 = the
   tokenizer's, untied lm_head, no MTP), tokenizer files included. `TINY_TARGET_LAYERS`,
-  `TINY_TARGET_HIDDEN`, `TINY_VOCAB` below give its shape.
+  `TINY_TARGET_HIDDEN`, `TINY_VOCAB` (tests/fixtures/tiny.py) give its shape.
 - `tiny_k25_target` -> Path: the same text weights in the Kimi-K2.5 layout (`Kimi_K25` config with
   `text_config`, weights `language_model.model.layers.N.*` / `language_model.lm_head.weight`,
   tiny vision tower), tokenizer files included; its text logits equal `tiny_k2_target`'s.
@@ -29,16 +29,13 @@ import os
 import pytest
 import torch
 
+from tests.fixtures.tiny import TINY_SEED, TINY_TARGET_HIDDEN, TINY_TARGET_LAYERS, TINY_VOCAB
+
 # Tiny models run fastest on one thread, and the 2-core CI machine is shared by concurrent jobs:
 # two spin-waiting OpenMP threads per process there make tests 10x slower. Subprocesses inherit it.
 _TEST_THREADS = int(os.environ.get("EAGLE3_TEST_THREADS", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(_TEST_THREADS))
 torch.set_num_threads(_TEST_THREADS)
-
-TINY_VOCAB = 512
-TINY_TARGET_LAYERS = 8
-TINY_TARGET_HIDDEN = 64
-TINY_SEED = 1234
 
 
 def _first_sharegpt_records(n: int) -> list[dict]:

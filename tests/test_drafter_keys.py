@@ -19,22 +19,9 @@ from safetensors.torch import save_file
 
 from eagle3 import drafter_keys as dk
 from eagle3 import export_spec as spec
-from eagle3.drafter_io import DrafterLoadError, expected_shapes, load_drafter_dir
+from eagle3.drafter_io import DrafterLoadError, load_drafter_dir
 from eagle3.model import DrafterConfig
-
-# config.json of a tiny drafter as SpecForge 0.2.0's export_to_sglang writes it (transformers 5.24)
-SF_CONFIG = {
-    "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 1, "draft_vocab_size": 20, "dtype": "float32",
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
-    "eos_token_id": 2, "head_dim": 4, "hidden_act": "silu", "hidden_size": 16, "initializer_range": 0.02,
-    "intermediate_size": 40, "max_position_embeddings": 64, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2, "pad_token_id": None,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    "rope_theta": 10000.0, "target_hidden_size": 16, "tie_word_embeddings": False, "transformers_version": "5.24.0",
-    "use_cache": True, "vocab_size": 50,
-}
-V, DV, H, T = 50, 20, 16, 9
+from tests.fixtures.specforge_drafter import DV, SF_CONFIG, H, T, V, tiny_weights
 
 
 # ------------------------------------------------------------------ the reference math (SpecForge 0.2.0)
@@ -64,20 +51,6 @@ def specforge_logits(w: dict, aux, embeds, *, norm_output=True, fc_norm=False):
     out = h1 + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
         @ w["midlayer.mlp.down_proj.weight"].T
     return (_rms(out, w["norm.weight"]) if norm_output else out) @ w["lm_head.weight"].T
-
-
-def tiny_weights(seed=0, fc_norm=False) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    shapes = expected_shapes(DrafterConfig.from_hf_dict(SF_CONFIG))
-    w = {n: (torch.randn(s, generator=g) * (0.3 if len(s) > 1 else 0.2) + (1.0 if len(s) == 1 else 0.0))
-         for n, s in shapes.items() if n not in ("d2t", "t2d")}
-    ids = torch.tensor(sorted(torch.randperm(V, generator=g)[:DV].tolist()))
-    w["d2t"] = ids - torch.arange(DV)
-    w["t2d"] = torch.zeros(V, dtype=torch.bool)
-    w["t2d"][ids] = True
-    if fc_norm:
-        w.update({f"fc_norm.{i}.weight": 1.0 + 0.3 * torch.randn(H, generator=g) for i in range(3)})
-    return w
 
 
 def write_dir(path, config: dict, weights: dict):

@@ -5,36 +5,18 @@ import pytest
 import torch
 
 from eagle3.accept_sim import SpecKnobs
-from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.real_loop.chain import eos_ids, greedy_decode, speculative_decode
 from eagle3.real_loop.check import capture_sequence, real_vs_simulated
-from eagle3.target_io import load_embed_tokens, load_lm_head_rows, load_target
+from eagle3.target_io import load_lm_head_rows, load_target
 from eagle3.unroll import ttt_unroll
-from tests.conftest import TINY_TARGET_HIDDEN, TINY_VOCAB
-
-AUX_H = [2, 4, 5]  # hidden-state indices h (SGLang's default for the tiny targets' 8 layers)
-DRAFT_V = 256
+from tests.fixtures.real_loop import AUX_H, DRAFT_V, new_drafter, prompts
+from tests.fixtures.tiny import TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
 def target(tiny_k25_target):
     model, _ = load_target(tiny_k25_target, "kimi_k25", dtype="float32")
     return model
-
-
-def prompts(n=3, L=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 500, (L,), generator=g) for _ in range(n)]
-
-
-def new_drafter(tiny_k25_target, seed=0):
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=TINY_TARGET_HIDDEN, intermediate_size=128, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=TINY_VOCAB, draft_vocab_size=DRAFT_V,
-                        target_hidden_size=TINY_TARGET_HIDDEN, aux_hf_indices=AUX_H, torch_dtype="float32")
-    d = Eagle3Drafter(cfg)
-    d.set_embeddings(load_embed_tokens(tiny_k25_target, "kimi_k25").float())
-    return d
 
 
 def fitted_drafter(tiny_k25_target, target, seqs, steps=60):

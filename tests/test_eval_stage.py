@@ -16,8 +16,8 @@ from eagle3.schema.eval import EvalConfig
 from eagle3.store import HiddenStateWriter
 from eagle3.target_io import load_target
 from eval.stage import latencies_from_config, run_eval
-from tests.conftest import TINY_TARGET_HIDDEN
-from tests.test_eval_real_loop import AUX_H, new_drafter, prompts
+from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
+from tests.fixtures.tiny import TINY_TARGET_HIDDEN
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from eagle3 import export_spec as spec
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_serve import speculators_embed_note
-from test_drafter_keys import SF_CONFIG, H, V, tiny_weights
+from tests.fixtures.specforge_drafter import SF_CONFIG, H, V, tiny_weights
 
 HF = [2, 3, 4]
 KW = dict(vocab_size=V, max_position_embeddings=64, hf_indices=HF, dtype="float32", rope=(10000.0, None))

@@ -28,7 +28,7 @@ from eagle3.ttt_flash import (ATTENTION_KERNELS, DiagonalKeys, causal_attention,
                               choose_attention_kernel)
 from eagle3.unroll import TTTObjective, step_position_counts, ttt_unroll
 from eagle3.vocab_map import ids_from_d2t
-from tests.test_unroll import DV, H, tiny_batch, tiny_drafter
+from tests.fixtures.unroll_batch import DV, H, tiny_batch, tiny_drafter
 
 F64 = torch.float64
 

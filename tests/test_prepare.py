@@ -14,26 +14,8 @@ from transformers import AutoTokenizer
 from data.corpus import CorpusFormatError
 from data.prepare import (SKIP_REASONS, Conversation, PrepareError, Skip, TemplateEncoder, conversation_from_record,
                           is_validation, run_prepare)
-from eagle3.conf import compose, to_schema
 from eagle3.manifest import read_manifest
-from eagle3.schema.prepare import PrepareConfig
-
-
-def prepare_config(tmp_path, tokenizer_dir, input_path, *overrides) -> PrepareConfig:
-    cfg = compose("prepare", [f"paths.root={tmp_path}", f"target.tokenizer={tokenizer_dir}", f"input={input_path}",
-                              "max_length=256", *overrides])
-    return to_schema(cfg, PrepareConfig)
-
-
-def write_jsonl(path, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return path
-
-
-def conv(cid, *turns):
-    return {"id": cid, "conversations": [{"from": r, "value": v} for r, v in turns]}
+from tests.fixtures.prepare import GOOD, conv, prepare_config, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +192,6 @@ def test_split_is_by_id_hash_and_deterministic():
     assert val == {i for i in reversed(ids) if is_validation(i, 0.1, "s")}
     assert val != {i for i in ids if is_validation(i, 0.1, "other-salt")}
     assert not any(is_validation(i, 0.0, "s") for i in ids)
-
-
-GOOD = [conv(f"g{i}", ("human", f"question {i}?"), ("gpt", f"answer number {i}."), ("human", "thanks"),
-             ("gpt", "you are welcome")) for i in range(12)]
 
 
 def bad_input_rows():

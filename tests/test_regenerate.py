@@ -8,16 +8,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data.openai_server import ChatServer, FaultPlan, hf_generate_fn
+from data.openai_server import FaultPlan
 from data.prepare import Conversation, SkipCounter, run_prepare
 from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch,
                              split_reasoning)
-from eagle3.conf import compose, to_schema
 from eagle3.manifest import read_manifest
-from eagle3.schema.prepare import PrepareConfig
 from eagle3.target_io import load_target
-
-MAX_NEW = 6
+from tests.fixtures.prepare import conv
+from tests.fixtures.regenerate import (CONVS, MAX_NEW, N_TURNS, regen_config, reset_server, served,  # noqa: F401 (fixture)
+                                      write_corpus)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,29 +27,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def conv(cid, *turns):
-    return {"id": cid, "conversations": [{"from": r, "value": v} for r, v in turns]}
-
-
-CONVS = [conv("a", ("human", "What is a cat?"), ("gpt", "An animal.")),
-         conv("b", ("system", "Be brief."), ("human", "Hi"), ("gpt", "Hello!"), ("human", "And?"), ("gpt", "Bye.")),
-         conv("c", ("human", "Count to three"), ("gpt", "1 2 3")),
-         conv("d", ("human", "x"), ("gpt", "y"), ("human", "z"), ("gpt", "w"), ("human", "q"), ("gpt", "r"))]
-N_TURNS = 1 + 2 + 1 + 3
-
-
-def write_corpus(path, rows=CONVS):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def regen_config(tmp_path, target, corpus, backend, *overrides):
-    cfg = compose("prepare", [f"paths.root={tmp_path}", f"target.path={target}", f"target.tokenizer={target}",
-                              f"input={corpus}", f"regenerate.backend={backend}",
-                              f"regenerate.max_new_tokens={MAX_NEW}", "validation_fraction=0.0", *overrides])
-    return to_schema(cfg, PrepareConfig)
 
 
 def test_multi_turn_prompts_include_earlier_regenerated_turns():
@@ -154,21 +130,6 @@ def test_hf_backend_regenerates_every_assistant_turn(tmp_path, tiny_k2_target, t
     expected_first = cutting.generate([b[:2]])[0][0]
     assert b[2]["content"] == expected_first  # turn 1 from the prompt; turn 2 from the regenerated history
     assert b[4]["content"] == cutting.generate([b[:4]])[0][0]
-
-
-@pytest.fixture(scope="module")
-def served(tiny_k25_target):
-    """The tiny K2.5 target behind a real HTTP server; faults are set per test."""
-    gen = hf_generate_fn(str(tiny_k25_target), str(tiny_k25_target), "kimi_k25")
-    server = ChatServer(gen).start()
-    yield server
-    server.stop()
-
-
-def reset_server(server, faults=None):
-    server.faults = faults or FaultPlan()
-    server.request_log.clear()
-    server._count = 0
 
 
 def test_openai_backend_against_a_real_server_with_resume(tmp_path, tiny_k25_target, served, k25_generator):

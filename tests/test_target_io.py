@@ -11,7 +11,7 @@ from eagle3.target_io import (AuxHiddenCapture, TargetError, argmax_from_last, d
                               load_checkpoint_tensor, load_embed_tokens, load_lm_head_rows, load_target,
                               read_text_config, text_model)
 
-from tests.conftest import TINY_TARGET_HIDDEN as H, TINY_TARGET_LAYERS as L, TINY_VOCAB as V
+from tests.fixtures.tiny import TINY_TARGET_HIDDEN as H, TINY_TARGET_LAYERS as L, TINY_VOCAB as V
 
 
 @pytest.fixture(scope="module")

@@ -10,44 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.ttt import ttt_position_ids
 from eagle3.unroll import TTTObjective, step_position_counts, ttt_unroll
 from eagle3.vocab_map import ids_from_d2t
-
-V, DV, H, HT = 40, 12, 16, 12
-
-
-def tiny_drafter(seed=0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
-                        aux_hf_indices=[2, 3, 4], initializer_range=0.2)
-    model = Eagle3Drafter(cfg)
-    model.set_embeddings(torch.randn(V, H))
-    ids = torch.sort(torch.randperm(V)[:DV]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    model.set_vocab_mapping(ids - torch.arange(DV), t2d)
-    return model
-
-
-def tiny_batch(B=2, T=9, seed=1, in_vocab=None):
-    """Right-padded batch; target argmax drawn mostly from `in_vocab` (the draft vocab's ids)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [T, T - 3]
-    ids = torch.randint(0, V, (B, T), generator=g)
-    loss_mask = torch.rand(B, T, generator=g) > 0.25
-    for b, n in enumerate(lengths):  # right padding: zeros past the end
-        ids[b, n:] = 0
-        loss_mask[b, n:] = False
-    batch = {"input_ids": ids, "loss_mask": loss_mask,
-             "aux": torch.randn(B, T, 3 * HT, generator=g), "last": torch.randn(B, T, H, generator=g),
-             "target_argmax": torch.randint(0, V, (B, T), generator=g)}
-    if in_vocab is not None:
-        pick = in_vocab[torch.randint(0, len(in_vocab), (B, T), generator=g)]
-        batch["target_argmax"] = torch.where(torch.rand(B, T, generator=g) < 0.8, pick, batch["target_argmax"])
-    return batch, lengths
+from tests.fixtures.unroll_batch import DV, H, V, tiny_batch, tiny_drafter
 
 
 class ExplicitMaskCache:

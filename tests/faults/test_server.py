@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from data.openai_server import FaultPlan
-from test_regenerate import conv, regen_config, reset_server, served, write_corpus  # noqa: F401 (fixture)
+from tests.fixtures.prepare import conv
+from tests.fixtures.regenerate import regen_config, reset_server, served, write_corpus  # noqa: F401 (fixture)
 
 CONVS = [conv(f"c{i:02d}", ("human", f"question number {i}?"), ("gpt", "old answer"),
               *((("human", "and then?"), ("gpt", "old")) if i % 3 == 0 else ())) for i in range(14)]
