@@ -14,13 +14,13 @@ from eagle3 import REPO_ROOT, choices
 from eagle3.conf import CONF_DIR, SCHEMA_GROUP, ConfigError, as_plain_dict, compose, stage_schema, to_schema
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
-# The study's config (issue 19) is converted by its own change; until then it keeps its values in YAML.
-NOT_CONVERTED = {"study"}
-CONVERTED = [s for s in STAGES if s not in NOT_CONVERTED]
+CONVERTED = STAGES  # every stage: its schema is the one home of its defaults
 # Overrides a stage cannot compose without: train's out_dir names the init.
 REQUIRED = {"train": ["+init=scratch"]}
 # Keys a default-chosen preset group sets on purpose (the demo's size, demo_size: cpu).
-PRESET_KEYS = {"demo": {"overrides"}}
+PRESET_KEYS = {"demo": {"overrides"},
+               # the study: the demo size's overrides, and its own sizes (conf/study_size/<demo_size>.yaml)
+               "study": {"overrides", "curve", "forgetting_max_sequences", "real_check", "knob_grid"}}
 
 
 def defaults_of(schema) -> dict:
