@@ -12,6 +12,9 @@ chosen dims) and peak allocated / reserved memory.
 
     python benchmarks/bench_train_step.py                          # H200: K2 dims, T = 2048..16384
     python benchmarks/bench_train_step.py --tiny --seq-lens 64,128 # CPU smoke run
+    python benchmarks/bench_train_step.py --impls fast --seq-lens 4096,8192 --store-seq-lens 4096@0.65 --anchor
+        # + SpecForge 0.2.0's own step (bench_specforge_anchor.py) at every (T, loss share) timed, in the same
+        # process right after this project's, and the tokens/s ratios per (T, share) (issue 22)
 
 Imports only torch and eagle3 core modules (runs on the GPU image without hydra/wandb/accelerate).
 """
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_specforge_anchor, imported by --anchor
 
 import torch  # noqa: E402
 
@@ -62,9 +66,20 @@ def parse_args(argv=None):
     p.add_argument("--profile-shapes", action="store_true", help="the profile also lists aten ops by input shape")
     p.add_argument("--store-seq-lens", default="",
                    help="also time the fast step fed from a real hidden-state store at these T (comma-separated): "
-                        "a reader thread into pinned memory + side-stream prefetch, as train/loop.py runs it")
+                        "a reader thread into pinned memory + side-stream prefetch, as train/loop.py runs it; "
+                        "T@share (e.g. 4096@0.65) sets that store's loss share (default --mask-frac) and adds an "
+                        "in-memory fast row at the same share")
     p.add_argument("--store-steps", type=int, default=8, help="timed steps per store-fed T (after 2 warm-up steps)")
     p.add_argument("--store-dir", default=None, help="where to write the benchmark store (default: a temp dir)")
+    p.add_argument("--anchor", action="store_true",
+                   help="then time SpecForge 0.2.0's own training step (benchmarks/bench_specforge_anchor.py) at "
+                        "every (T, loss share) of the fast rows, in this process, and print the ratios")
+    p.add_argument("--anchor-attention", default="flex_attention",
+                   help="SpecForge's training.attention_backend (its default flex_attention; sdpa | fa)")
+    p.add_argument("--anchor-compact-teacher", action="store_true",
+                   help="SpecForge's training.compact_teacher (default off: full-vocab teacher logits)")
+    p.add_argument("--anchor-no-fsdp", action="store_true",
+                   help="skip SpecForge's FSDP wrap (its trainer wraps even on one GPU)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -73,7 +88,20 @@ def parse_args(argv=None):
             dims[k] = getattr(args, k)
     args.dims = dims
     args.seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
+    args.stores = [parse_store_entry(x, args.mask_frac) for x in args.store_seq_lens.split(",") if x]
     return args
+
+
+def parse_store_entry(entry: str, default_share: float) -> tuple[int, float]:
+    """'4096' or '4096@0.65' -> (T, loss share)."""
+    T, _, share = entry.partition("@")
+    try:
+        T, share = int(T), float(share) if share else default_share
+    except ValueError:
+        raise SystemExit(f"--store-seq-lens entry {entry!r}: want T or T@share (e.g. 4096@0.65)") from None
+    if T <= 0 or not 0.0 < share <= 1.0:
+        raise SystemExit(f"--store-seq-lens entry {entry!r}: T must be > 0 and the share in (0, 1]")
+    return T, share
 
 
 def build(dims: dict, ttt: int, device: torch.device, bf16: bool):
@@ -151,9 +179,6 @@ def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool,
             for k, v in (("forward_loss", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2), ("step", t3 - t0)):
                 phases[k].append(v)
     return {k: statistics.median(v) for k, v in phases.items()} | {"loss": float(loss.detach())}
-
-
-ANCHOR = {2048: 8132, 4096: 9050, 8192: 9577}  # SpecForge 0.2.0 tokens/s on one H200 (issue 9)
 
 
 def grad_check(objective, rows, batch, params, amp) -> dict:
@@ -244,14 +269,15 @@ def profile_step(objective, rows, batch, amp, top: int = 60, shapes: bool = Fals
     return "\n".join(parts)
 
 
-def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tensor) -> Path:
-    """A real hidden-state store (eagle3.store) of n random sequences of T tokens at these dims."""
+def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tensor, mask_frac: float = 1.0) -> Path:
+    """A real hidden-state store (eagle3.store) of n random sequences of T tokens at these dims, the last
+    `mask_frac` of each in the loss (a prompt, then the assistant reply)."""
     from eagle3.store import HiddenStateWriter
 
     writer = HiddenStateWriter(out_dir, hidden_size=dims["hidden"], target_hidden_size=dims["hidden"],
                                hf_indices=[2, 30, 58], shard_tokens=4 * T)
     for i in range(n):
-        b = make_batch(dims, 1, T + i, draft_ids, "cpu")
+        b = make_batch(dims, 1, T + i, draft_ids, "cpu", mask_frac=mask_frac)
         b = {k: v[0, :T] for k, v in b.items()}
         writer.add(f"seq-{i}", b["input_ids"], b["loss_mask"], b["aux"], b["last"], b["target_argmax"],
                    check_finite=False)
@@ -310,6 +336,125 @@ def use_impl(objective, name: str, default_kernel: str) -> None:
     objective.attention_kernel = kernel_name or default_kernel
 
 
+def time_row(ctx: dict, impl: str, T: int, share: float) -> dict:
+    """This project's step (impl) on an in-memory batch of T tokens with `share` of them in the loss."""
+    args, device = ctx["args"], ctx["device"]
+    batch = make_batch(args.dims, args.batch, T, ctx["draft_ids"], device, mask_frac=share)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        r = bench_one(ctx["objective"], ctx["rows"], batch, ctx["optimizer"], ctx["params"], device, ctx["autocast"],
+                      args.iters, args.warmup)
+    except torch.cuda.OutOfMemoryError:
+        ctx["optimizer"].zero_grad(set_to_none=True)
+        print(f"{impl:>10} {T:>6} {share:>5} OOM", flush=True)
+        return {"impl": impl, "T": T, "share": share, "oom": True}
+    tokens = args.batch * T
+    tflops = step_flops(args.dims, T, args.ttt, args.batch) / r["step"] / 1e12
+    row = {"impl": impl, "T": T, "share": share, **{f"{k}_s": round(v, 5) for k, v in r.items() if k != "loss"},
+           "loss": r["loss"], "tokens_per_s": round(tokens / r["step"], 1), "model_tflops": round(tflops, 2),
+           "mfu": round(tflops / args.peak_tflops, 4) if device.type == "cuda" else None}
+    if device.type == "cuda":
+        row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+    print(f"{impl:>10} {T:>6} {share:>5} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} "
+          f"{r['optimizer']:>8.4f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} "
+          f"{row.get('peak_alloc_gib', '-'):>10} {row.get('peak_reserved_gib', '-'):>9}", flush=True)
+    return row
+
+
+def find_row(results: list[dict], impl: str, T: int, share: float) -> dict | None:
+    return next((r for r in results if r.get("impl") == impl and r["T"] == T and r.get("share") == share
+                 and "tokens_per_s" in r), None)
+
+
+def anchor_pairs(results: list[dict]) -> list[tuple[int, float]]:
+    """The (T, loss share) pairs the anchor must run at: every timed fast row, in order, once each."""
+    pairs = []
+    for r in results:
+        if r.get("impl") in ("fast", "fast-from-store") and "tokens_per_s" in r and (r["T"], r["share"]) not in pairs:
+            pairs.append((r["T"], r["share"]))
+    return pairs
+
+
+def anchor_summary(results: list[dict]) -> list[dict]:
+    """Per (T, share): this project's fast step in memory and fed from the store, SpecForge's own step,
+    and the tokens/s ratios (the same-run figures every speed claim quotes)."""
+    out = []
+    for T, share in anchor_pairs(results):
+        mem, store, sf = (find_row(results, impl, T, share) for impl in ("fast", "fast-from-store", "specforge"))
+        row = {"T": T, "share": share, "fast_tokens_per_s": mem and mem["tokens_per_s"],
+               "store_tokens_per_s": store and store["tokens_per_s"], "anchor_tokens_per_s": sf and sf["tokens_per_s"]}
+        for k, ours in (("fast_vs_anchor", mem), ("store_vs_anchor", store)):
+            row[k] = round(ours["tokens_per_s"] / sf["tokens_per_s"], 3) if ours and sf else None
+        out.append(row)
+    return out
+
+
+def free_objective(ctx: dict) -> None:
+    """Drop this project's drafter, optimizer state and compiled graphs before the anchor builds its own."""
+    import gc
+
+    for k in ("objective", "optimizer", "params", "rows"):
+        ctx.pop(k, None)
+    torch._dynamo.reset()
+    gc.collect()
+    if ctx["device"].type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_anchor(ctx: dict, pairs: list[tuple[int, float]]) -> list[dict]:
+    """SpecForge 0.2.0's own step at each (T, share), on the batch this project's step got. A setting that
+    fails to build or step is reported in one line and the next falls back (FSDP wrap -> none; flex
+    attention -> sdpa), so one broken piece costs a row's label, not the run."""
+    import bench_specforge_anchor as sfa
+
+    args, device = ctx["args"], ctx["device"]
+    why = sfa.unavailable(device)
+    if why:
+        print(f"anchor skipped: {why}", flush=True)
+        return [{"impl": "specforge", "T": T, "share": share, "skipped": why} for T, share in pairs]
+    want = dict(attention_backend=args.anchor_attention, compact_teacher=args.anchor_compact_teacher,
+                fsdp=not args.anchor_no_fsdp)
+    tries = [want, dict(want, fsdp=False), dict(want, fsdp=False, attention_backend="sdpa")]
+    tries = [t for i, t in enumerate(tries) if t not in tries[:i]]
+    for settings in tries:
+        rows, sf = [], None
+        try:
+            sf = sfa.SpecForgeStep(args.dims, args.ttt, device, ctx["draft_ids"],
+                                   max_len=max(T for T, _ in pairs) + args.ttt + 64, **settings)
+            print(f"SpecForge 0.2.0 anchor: {settings}, trainable params {sf.trainable / 1e6:.1f}M", flush=True)
+            for T, share in pairs:
+                batch = make_batch(args.dims, args.batch, T, ctx["draft_ids"], device, mask_frac=share)
+                try:
+                    r = sfa.time_steps(sf, batch, args.iters, args.warmup)
+                except torch.cuda.OutOfMemoryError:
+                    print(f" specforge {T:>6} {share:>5} OOM", flush=True)
+                    rows.append({"impl": "specforge", "T": T, "share": share, "oom": True, **settings})
+                    continue
+                finally:
+                    del batch
+                rows.append({"impl": "specforge", "T": T, "share": share, **r, **settings})
+                print(f" specforge {T:>6} {share:>5} {r['step_s']:>8.4f} {'':>9} {'':>8} {'':>8} {r['tokens_per_s']:>9.0f} "
+                      f"{'':>8} {'':>6} {r.get('peak_alloc_gib', '-'):>10} {r.get('peak_reserved_gib', '-'):>9}  "
+                      f"loss {r['loss']:.4f}", flush=True)
+            return rows
+        except Exception as e:  # noqa: BLE001 - a SpecForge failure: say it, fall back to the next setting
+            print(f"anchor with {settings} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  flush=True)
+        finally:
+            if sf is not None:
+                sf.close()
+            elif torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # the group a failed build made
+            del sf
+            free_objective({"device": device})
+    why = "every SpecForge setting failed (above)"
+    return [{"impl": "specforge", "T": T, "share": share, "skipped": why} for T, share in pairs]
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -347,75 +492,69 @@ def main(argv=None) -> list[dict]:
             objective(batch, rows).loss.backward()
         print(profile_step(objective, rows, batch, amp, shapes=args.profile_shapes), flush=True)
         del batch
+    ctx = dict(args=args, device=device, autocast=autocast, objective=objective, rows=rows, draft_ids=draft_ids,
+               optimizer=optimizer, params=params)
+    del objective, rows, optimizer, params  # ctx holds them (free_objective drops them before the anchor)
     results = []
-    header = (f"{'impl':>10} {'T':>6} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} {'TFLOP/s':>8} "
-              f"{'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9} {'vs anchor':>9}")
-    print(header)
+    print(f"{'impl':>10} {'T':>6} {'share':>5} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9}")
     for impl in [x for x in args.impls.split(",") if x]:
-        use_impl(objective, impl, args.attention_kernel)
+        use_impl(ctx["objective"], impl, args.attention_kernel)
         for T in args.seq_lens:
-            batch = make_batch(args.dims, args.batch, T, draft_ids, device, mask_frac=args.mask_frac)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                r = bench_one(objective, rows, batch, optimizer, params, device, autocast, args.iters, args.warmup)
-            except torch.cuda.OutOfMemoryError:
-                optimizer.zero_grad(set_to_none=True)
-                print(f"{impl:>10} {T:>6} OOM", flush=True)
-                results.append({"impl": impl, "T": T, "oom": True})
-                continue
-            tokens = args.batch * T
-            tflops = step_flops(args.dims, T, args.ttt, args.batch) / r["step"] / 1e12
-            row = {"impl": impl, "T": T, **{f"{k}_s": round(v, 5) for k, v in r.items() if k != "loss"}, "loss": r["loss"],
-                   "tokens_per_s": round(tokens / r["step"], 1), "model_tflops": round(tflops, 2),
-                   "mfu": round(tflops / args.peak_tflops, 4) if device.type == "cuda" else None}
-            if device.type == "cuda":
-                row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-            anchor = ANCHOR.get(T) if args.dims == K2 and args.batch == 1 and args.ttt == 7 else None
-            row["vs_anchor"] = round(row["tokens_per_s"] / anchor, 3) if anchor else None
-            results.append(row)
-            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-            va = f"{row['vs_anchor']:.2f}x" if row["vs_anchor"] else "-"
-            print(f"{impl:>10} {T:>6} {r['step']:>8.4f} {r['forward_loss']:>9.4f} {r['backward']:>8.4f} {r['optimizer']:>8.4f} "
-                  f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {mfu:>6} {row.get('peak_alloc_gib', '-'):>10} "
-                  f"{row.get('peak_reserved_gib', '-'):>9} {va:>9}", flush=True)
-            del batch
+            results.append(time_row(ctx, impl, T, args.mask_frac))
     speedups = {}
     for row in results:
         if row.get("impl") == "fast" and "tokens_per_s" in row:
-            ref = next((r for r in results if r.get("impl") == "reference" and r["T"] == row["T"] and "tokens_per_s" in r), None)
+            ref = find_row(results, "reference", row["T"], row["share"])
             if ref:
                 speedups[row["T"]] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
     if speedups:
         print("fast / reference tokens/s: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in speedups.items()))
-    use_impl(objective, "fast", args.attention_kernel)
+    use_impl(ctx["objective"], "fast", args.attention_kernel)
     store_rows = []
-    for T in [int(x) for x in args.store_seq_lens.split(",") if x]:
+    for T, share in args.stores:
         import tempfile
 
+        if not find_row(results, "fast", T, share):  # the in-memory figure at the same share, to compare with
+            results.append(time_row(ctx, "fast", T, share))
         root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-store-"))
         t0 = time.perf_counter()
-        store_dir = write_store(root / f"T{T}", args.dims, T, 2 * args.store_steps + 4, draft_ids)
+        store_dir = write_store(root / (f"T{T}" if share == 1.0 else f"T{T}-share{share}"), args.dims, T,
+                                2 * args.store_steps + 4, draft_ids, mask_frac=share)
         written = time.perf_counter() - t0
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        row = bench_from_store(objective, rows, optimizer, params, device, amp, store_dir, T, args.store_steps)
-        mem = next((r for r in results if r.get("impl") == "fast" and r["T"] == T and "tokens_per_s" in r), None)
+        row = bench_from_store(ctx["objective"], ctx["rows"], ctx["optimizer"], ctx["params"], device, amp,
+                               store_dir, T, args.store_steps)
+        row["share"] = share
+        mem = find_row(results, "fast", T, share)
         row["vs_in_memory"] = round(row["tokens_per_s"] / mem["tokens_per_s"], 3) if mem else None
         row["store_write_s"] = round(written, 1)
         store_rows.append(row)
-        print(f"from the store (written in {written:.1f} s): T={T} step {row['step_s']:.4f} s, {row['tokens_per_s']:.0f} "
-              f"tok/s, {row['vs_in_memory']}x the in-memory figure, waiting for data {row['loader_wait_s']:.4f} s/step, "
-              f"loader alone {row['loader_alone_batches_per_s']} batches/s, peak reserved {row['peak_reserved_gib']} GiB",
-              flush=True)
+        print(f"from the store (written in {written:.1f} s): T={T} share {share} step {row['step_s']:.4f} s, "
+              f"{row['tokens_per_s']:.0f} tok/s, {row['vs_in_memory']}x the in-memory figure, waiting for data "
+              f"{row['loader_wait_s']:.4f} s/step, loader alone {row['loader_alone_batches_per_s']} batches/s, "
+              f"peak reserved {row['peak_reserved_gib']} GiB", flush=True)
     results += [dict(r, impl="fast-from-store") for r in store_rows]
+    summary = None
+    if args.anchor:
+        pairs = anchor_pairs(results)
+        free_objective(ctx)
+        results += run_anchor(ctx, pairs)
+        summary = anchor_summary(results)
+        print(f"same run, tokens/s: {'T':>6} {'share':>5} {'fast':>9} {'from store':>10} {'SpecForge':>9} "
+              f"{'fast/SF':>8} {'store/SF':>8}")
+        for s in summary:
+            cells = [f"{s[k]:.0f}" if s[k] else "-" for k in ("fast_tokens_per_s", "store_tokens_per_s", "anchor_tokens_per_s")]
+            ratios = [f"{s[k]:.2f}x" if s[k] else "-" for k in ("fast_vs_anchor", "store_vs_anchor")]
+            print(f"{'':>19} {s['T']:>6} {s['share']:>5} {cells[0]:>9} {cells[1]:>10} {cells[2]:>9} {ratios[0]:>8} "
+                  f"{ratios[1]:>8}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
                                                "mask_frac": args.mask_frac, "device": str(device), "check": check,
-                                               "speedups": speedups, "results": results}, indent=2))
+                                               "speedups": speedups, "results": results, "anchor": summary},
+                                              indent=2))
     if failure:
         raise SystemExit(failure)
     return results

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 
+import pytest
 import torch
 
 from eagle3 import REPO_ROOT
@@ -21,12 +22,14 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     try:
         out = tmp_path / "bench.json"
         res = bench.main(["--tiny", "--seq-lens", "16,32", "--iters", "1", "--warmup", "0", "--ttt", "3",
-                          "--device", "cpu", "--check-seq-len", "24", "--store-seq-lens", "16", "--store-steps", "2",
-                          "--store-dir", str(tmp_path / "store"), "--json", str(out)])
+                          "--device", "cpu", "--check-seq-len", "24", "--store-seq-lens", "16@0.65", "--store-steps", "2",
+                          "--store-dir", str(tmp_path / "store"), "--anchor", "--json", str(out)])
     finally:
         torch.set_num_threads(n)
     timed = [r for r in res if r["impl"] in ("fast", "reference")]
-    assert [(r["impl"], r["T"]) for r in timed] == [("fast", 16), ("fast", 32), ("reference", 16), ("reference", 32)]
+    # the main rows at the default share, then the in-memory twin of the store row at its own share
+    assert [(r["impl"], r["T"], r["share"]) for r in timed] == [
+        ("fast", 16, 1.0), ("fast", 32, 1.0), ("reference", 16, 1.0), ("reference", 32, 1.0), ("fast", 16, 0.65)]
     for r in timed:
         assert r["step_s"] >= r["forward_loss_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
         assert r["tokens_per_s"] > 0 and r["loss"] > 0
@@ -36,13 +39,50 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     assert max(report["check"]["fast"]["grad_rel_err"].values()) < 1e-4
     assert set(report["speedups"]) == {"16", "32"}
     (store_row,) = [r for r in res if r["impl"] == "fast-from-store"]
-    assert store_row["T"] == 16 and store_row["tokens_per_s"] > 0 and store_row["loader_alone_batches_per_s"] > 0
-    assert (tmp_path / "store" / "T16" / "manifest.json").is_file()
+    assert (store_row["T"], store_row["share"]) == (16, 0.65)
+    assert store_row["tokens_per_s"] > 0 and store_row["loader_alone_batches_per_s"] > 0 and store_row["vs_in_memory"] > 0
+    from eagle3.store import HiddenStateStore
+
+    store = HiddenStateStore(tmp_path / "store" / "T16-share0.65")
+    mask = store[0]["loss_mask"]  # a prompt (out of the loss), then the reply: round(16 x 0.35) = 6 positions out
+    assert mask.tolist() == [False] * 6 + [True] * 10
+    # the SpecForge anchor needs CUDA (its loss is a Triton kernel): on CPU each pair is a reported skip, not a row
+    anchor = [r for r in res if r["impl"] == "specforge"]
+    assert [(r["T"], r["share"]) for r in anchor] == [(16, 1.0), (32, 1.0), (16, 0.65)]
+    assert all("CUDA" in r["skipped"] and "tokens_per_s" not in r for r in anchor)
+    assert [(a["T"], a["share"], a["anchor_tokens_per_s"], a["fast_vs_anchor"]) for a in report["anchor"]] == [
+        (16, 1.0, None, None), (32, 1.0, None, None), (16, 0.65, None, None)]
+    assert report["anchor"][2]["store_tokens_per_s"] == store_row["tokens_per_s"]
     # issue 9's FLOP formula at K2 dims: 6 x 1.0368e9 x T x 7 + 344,064 x T^2 (+ fc once per token)
     k2 = bench.K2
     T = 4096
     expect = 6 * 1.0368e9 * T * 7 + 344064 * T ** 2 + 6 * 3 * 7168 ** 2 * T
     assert abs(bench.step_flops(k2, T, 7, 1) - expect) / expect < 1e-3
+
+
+def test_anchor_summary_pairs_rows_by_length_and_share():
+    """The same-run ratios pair this project's rows with SpecForge's at the same (T, loss share) only."""
+    bench = load_bench()
+    rows = [{"impl": "fast", "T": 4096, "share": 1.0, "tokens_per_s": 13000.0},
+            {"impl": "reference", "T": 4096, "share": 1.0, "tokens_per_s": 7000.0},
+            {"impl": "fast", "T": 4096, "share": 0.65, "tokens_per_s": 15000.0},
+            {"impl": "fast-from-store", "T": 4096, "share": 0.65, "tokens_per_s": 14000.0},
+            {"impl": "fast", "T": 8192, "share": 1.0, "oom": True},
+            {"impl": "specforge", "T": 4096, "share": 0.65, "tokens_per_s": 10000.0},
+            {"impl": "specforge", "T": 4096, "share": 1.0, "tokens_per_s": 9000.0}]
+    assert bench.anchor_pairs(rows) == [(4096, 1.0), (4096, 0.65)]
+    full, mix = bench.anchor_summary(rows)
+    assert (full["fast_vs_anchor"], full["store_vs_anchor"]) == (round(13000 / 9000, 3), None)
+    assert (mix["fast_vs_anchor"], mix["store_vs_anchor"]) == (1.5, 1.4)
+
+
+def test_store_entry_parsing():
+    bench = load_bench()
+    assert bench.parse_store_entry("4096", 1.0) == (4096, 1.0)
+    assert bench.parse_store_entry("4096@0.65", 1.0) == (4096, 0.65)
+    for bad in ("4096@x", "4096@1.5", "0@0.5", "abc"):
+        with pytest.raises(SystemExit, match="--store-seq-lens entry"):
+            bench.parse_store_entry(bad, 1.0)
 
 
 def test_profile_kernel_categories():
