@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from eagle3 import aux_layers, vocab_map
 from eagle3.errors import StageError
+from eagle3.dtypes import TORCH_FLOAT_DTYPES, torch_dtype  # noqa: F401  (torch_dtype: re-exported)
 from eagle3.manifest import atomic_write_bytes
 from eagle3.model import DrafterConfig, Eagle3Drafter
 
@@ -37,19 +38,10 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 EMBED = "embed_tokens.weight"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DrafterLoadError(StageError, RuntimeError):
     """A drafter directory that cannot be loaded; the message lists every problem."""
-
-
-def torch_dtype(name: str | torch.dtype | None) -> Optional[torch.dtype]:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def read_config_dict(drafter_dir: str | Path) -> dict:
@@ -186,7 +178,7 @@ def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tenso
     cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule)
     if problems:
         raise DrafterLoadError(f"drafter {drafter_dir} does not match its config.json:\n  - " + "\n  - ".join(problems))
-    dt = torch_dtype(dtype) or torch_dtype(cfg.torch_dtype if cfg.torch_dtype in _DTYPES else "float32")
+    dt = torch_dtype(dtype) or torch_dtype(cfg.torch_dtype if cfg.torch_dtype in TORCH_FLOAT_DTYPES else "float32")
     report: dict[str, Any] = {"dir": str(drafter_dir), "dtype": str(dt).replace("torch.", ""),
                               "aux_hf_indices": cfg.aux_hf_indices, "aux_id_rule": id_rule,
                               "ignored_files": sorted(p.name for p in drafter_dir.iterdir()

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 from eagle3.choices import AUX_FP8  # noqa: F401  (capture.aux_dtype's one quantised format; re-exported)
+from eagle3.dtypes import TORCH_FLOAT_DTYPES
 from eagle3.errors import StageError
 
 STORE_FORMAT = "eagle3-hidden-state-store"
 STORE_VERSION = 1  # raise when a reader of today would misread a new store; readers refuse newer versions
 MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = TORCH_FLOAT_DTYPES  # the store's state dtypes: every float dtype name
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
 HEADER_KEYS = ("hidden_size", "target_hidden_size", "hf_indices", "dtype", "aux_dtype",
                "shard_tokens", "meta")
