@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from eagle3.choices import AUX_FP8  # noqa: F401  (capture.aux_dtype's one quantised format; re-exported)
 from eagle3.dtypes import TORCH_FLOAT_DTYPES
 from eagle3.errors import StageError
