@@ -94,6 +94,14 @@ class TargetRunner:
         self.device = self.decoder.embed_tokens.weight.device
         self.cache = DynamicCache(config=getattr(target.config, "text_config", None) or target.config)
 
+    @classmethod
+    def for_drafter(cls, target, drafter) -> "TargetRunner":
+        """A runner capturing the hidden states h the drafter reads (its config's aux layers)."""
+        hf_indices = drafter.config.aux_hf_indices
+        if hf_indices is None:
+            raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
+        return cls(target, hf_indices)
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, capture: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """ids Long [n] at the next n positions -> (argmax Long [n], aux [n, 3*Ht] or None)."""
@@ -141,11 +149,8 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
     if not 2 <= num_draft_tokens <= num_steps + 1:
         raise ValueError(f"chain decoding needs 2 <= num_draft_tokens <= num_steps + 1, got "
                          f"{num_steps}/1/{num_draft_tokens}")
-    hf_indices = drafter.config.aux_hf_indices
-    if hf_indices is None:
-        raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
     eos = eos_ids(eos_token_id)
-    run = TargetRunner(target, hf_indices)
+    run = TargetRunner.for_drafter(target, drafter)
     dev = drafter.fc.weight.device
     prompt = prompt.long().reshape(-1)
     L, n = prompt.numel(), num_draft_tokens - 1

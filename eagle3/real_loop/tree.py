@@ -85,11 +85,8 @@ def keep_cache_entries(cache, index: torch.Tensor) -> None:
 def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: int, knobs: SpecKnobs,
                             eos_token_id=None) -> SpecResult:
     """Tree speculative decoding (module docstring). Lossless: its output is the target's greedy decode."""
-    hf_indices = drafter.config.aux_hf_indices
-    if hf_indices is None:
-        raise ValueError("drafter config has no eagle_aux_hidden_state_layer_ids: cannot pick the target layers")
     eos = eos_ids(eos_token_id)
-    run = TargetRunner(target, hf_indices)
+    run = TargetRunner.for_drafter(target, drafter)
     dev = drafter.fc.weight.device
     dtype = run.decoder.embed_tokens.weight.dtype
     prompt = prompt.long().reshape(-1)
@@ -114,7 +111,7 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
         t0 = time.perf_counter()
         ids = torch.tensor([res.tokens[-1]] + toks, device=run.device)[None]
         pos = torch.tensor([q] + [q + d for d in depths(parents)], device=run.device)[None]
-        with AuxHiddenCapture(target, hf_indices) as cap:
+        with AuxHiddenCapture(target, run.hf_indices) as cap:
             out = run.decoder(input_ids=ids, attention_mask=tree_mask(parents, q, dtype, run.device),
                               position_ids=pos, cache=run.cache, use_cache=True)
             vaux = cap.aux_concat(run.device)[0]                                    # [1+n, 3*Ht]
