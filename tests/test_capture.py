@@ -14,48 +14,7 @@ from eagle3.conf import ConfigError, compose, to_schema
 from eagle3.schema.capture import CaptureConfig
 from eagle3.store import HiddenStateStore
 from numeric_checks import assert_argmax_up_to_ties
-
-LAYOUT = {"k25": "kimi_k25", "k2": "causal_lm"}
-
-
-@pytest.fixture(scope="module")
-def targets(tiny_k25_target, tiny_k2_target):
-    return {"k25": tiny_k25_target, "k2": tiny_k2_target}
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
-    """A real prepare-stage directory for the tiny tokenizer (shared by both tiny targets), from
-    short conversations cut out of real ShareGPT text so that lengths vary (12..~90 tokens)."""
-    import random
-
-    from data.prepare import run_prepare
-    from eagle3.schema.prepare import PrepareConfig
-
-    root = tmp_path_factory.mktemp("prep_root")
-    rng = random.Random(0)
-    words = " ".join(t["value"] for r in tiny_sharegpt_records[:10] for t in r["conversations"]
-                     if isinstance(t.get("value"), str)).split()
-    corpus = root / "short.jsonl"
-    with open(corpus, "w") as f:
-        for i in range(30):
-            turns = []
-            for role in ("human", "gpt") * rng.choice([1, 1, 2]):
-                a = rng.randrange(len(words) - 40)
-                turns.append({"from": role, "value": " ".join(words[a:a + rng.randint(1, 8)])})
-            f.write(json.dumps({"id": f"c{i:02d}", "conversations": turns}) + "\n")
-    cfg = compose("prepare", [f"paths.root={root}", f"target.path={tiny_k25_target}",
-                              f"target.tokenizer={tiny_k25_target}", f"input={corpus}",
-                              "max_length=96", "validation_fraction=0.2"])
-    return run_prepare(to_schema(cfg, PrepareConfig))
-
-
-def capture_config(tmp_path, targets, prepared, which="k25", out="capture", overrides=()):
-    cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={targets[which]}",
-                              f"target.tokenizer={targets[which]}", f"target.layout={LAYOUT[which]}",
-                              f"in_dir={prepared}", f"out_dir={tmp_path / out}", "dtype=float32",
-                              "progress=false", "max_tokens_per_batch=96", "shard_tokens=200", *overrides])
-    return to_schema(cfg, CaptureConfig)
+from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 
 
 def load_split(prepared, split):

@@ -15,8 +15,8 @@ import torch
 from data.capture import CaptureError, Dist, run_capture
 from eagle3 import aux_layers, vllm_protocol
 from eagle3.store import HiddenStateStore
+from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fake_vllm_module, parse_serve_command
-from tests.test_capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 
 KEYS = ("input_ids", "loss_mask", "aux", "last", "target_argmax")
 LIMIT = 6  # sequences per split (train 6, validation 5): seconds per capture

@@ -13,7 +13,7 @@ from eagle3.target_io import load_embed_tokens
 from eval.export import ExportError, run_export
 from eval.export_io import load_speculators_dir
 from eval.export_roundtrip import drafter_logits, round_weights_, validation_batches
-from test_export_world import build_world, tiny_drafter
+from tests.fixtures.export_world import build_world, tiny_drafter
 
 
 @pytest.fixture(scope="module")

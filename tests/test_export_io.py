@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import export_spec as spec
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
-from test_export_world import HF_INDICES, AUX_IDS, tiny_drafter
+from tests.fixtures.export_world import AUX_IDS, HF_INDICES, tiny_drafter
 
 V, CTX = 512, 4096
 KW = dict(vocab_size=V, max_position_embeddings=CTX, hf_indices=HF_INDICES,

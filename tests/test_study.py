@@ -68,7 +68,7 @@ def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_t
     from eagle3.store import HiddenStateStore
     from eagle3.target_io import load_embed_tokens
     from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
-    from tests.test_train_world import write_world
+    from tests.fixtures.train_world import write_world
 
     w = write_world(tmp_path, tiny_k25_target, n_train=1, n_val=3)
     store = HiddenStateStore(w["capture"] / "validation")
@@ -91,7 +91,7 @@ def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_t
 def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     from eval.demo import Experiment, StageLog
     from eval.study import study_on
-    from tests.test_train_world import write_world
+    from tests.fixtures.train_world import write_world
 
     root = tmp_path / "root"
     k25 = write_world(root / "stages" / "k25_mini", tiny_k25_target, n_train=12, n_val=4, seed=0)

@@ -1,11 +1,10 @@
-"""The train stage end to end on a tiny learnable world (tests/test_train_world.py): metrics and
+"""The train stage end to end on a tiny learnable world (tests/fixtures/train_world.py): metrics and
 wandb offline run, the loss falls, both init choices through the same config, reuse of a finished
 run, extension of a finished run from its last checkpoint, the composed config on the CLI."""
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +13,8 @@ from eagle3 import REPO_ROOT
 from eagle3.conf import compose, to_schema
 from eagle3.drafter_io import load_drafter_dir
 from eagle3.schema.train import TrainConfig
-from test_train_world import overrides, write_world
+from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401 (fixture)
 from train.loop import run_train
-
-
-@pytest.fixture(scope="session")
-def world(tmp_path_factory, tiny_k25_target):
-    return write_world(tmp_path_factory.mktemp("train_world"), tiny_k25_target)
-
-
-def config_for(world, out_dir, init="scratch", **extra) -> TrainConfig:
-    return to_schema(compose("train", overrides(world, out_dir, init, **extra)), TrainConfig)
-
-
-def rows(out_dir, kind):
-    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def test_run_writes_metrics_wandb_offline_and_a_final_drafter(world, tmp_path):

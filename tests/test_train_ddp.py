@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3 import REPO_ROOT
-from test_train import config_for, rows, world  # noqa: F401  (fixtures)
-from test_train_world import overrides
+from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
 from train.loop import run_train
 
 

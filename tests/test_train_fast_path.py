@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3.conf import ConfigError
-from test_train import config_for, world  # noqa: F401  (session fixture)
+from tests.fixtures.train_world import config_for, world  # noqa: F401  (session fixture)
 from train.data import BackgroundBatches, BatchStream, collate, make_loader
 from train.loop import run_train
 from train.prefetch import DevicePrefetcher

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import eagle3.unroll_common
 from eagle3.store import HiddenStateWriter
-from test_train import config_for, world  # noqa: F401  (fixtures)
+from tests.fixtures.train_world import config_for, world  # noqa: F401  (fixture)
 from train.inputs import TrainInputError
 from train.loop import run_train
 from train.trainer import NonFiniteLossError

@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from eagle3 import hooks
 from eagle3.checkpoints import CheckpointError
 from hooked_stage import hooked_command
-from test_train import config_for, rows, world  # noqa: F401  (fixtures)
-from test_train_world import overrides
+from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
 from train.loop import run_train
 
 

@@ -18,7 +18,7 @@ def pipeline(tmp_path_factory, tiny_k25_target):
     """{capture, vocab, target, old_drafter, train_out, final, export}: a finished tiny pipeline.
     Read-only by convention: tests that break something copy it first (`copy_tree`)."""
     from eval.export import run_export
-    from test_train_world import write_world
+    from tests.fixtures.train_world import write_world
     from train.loop import run_train
 
     n = torch.get_num_threads()

@@ -11,7 +11,7 @@ from pathlib import Path
 def train_config(world: dict, out_dir: Path, **extra):
     from eagle3.conf import compose, to_schema
     from eagle3.schema.train import TrainConfig
-    from test_train_world import overrides
+    from tests.fixtures.train_world import overrides
 
     base = dict(max_steps=4, epochs="null", checkpoint_every=2, keep_checkpoints=0)
     base.update(extra)
