@@ -99,8 +99,10 @@ def test_every_project_module_parses():
 
 
 def stage_crossings() -> list[str]:
-    return [f"{module} imports {target} (line {line})" for module in project_modules() if folder(module) in STAGE_FOLDERS
-            for target, line in imports_of(module) if folder(target) in STAGE_FOLDERS and folder(target) != folder(module)]
+    return [f"{module} imports {target} (line {line})"
+            for module in project_modules() if folder(module) in STAGE_FOLDERS
+            for target, line in imports_of(module)
+            if folder(target) in STAGE_FOLDERS and folder(target) != folder(module)]
 
 
 def test_no_stage_folder_imports_another():

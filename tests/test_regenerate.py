@@ -15,8 +15,8 @@ from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, Regenera
 from eagle3.manifest import read_manifest
 from eagle3.target_io import load_target
 from tests.fixtures.prepare import conv
-from tests.fixtures.regenerate import (CONVS, MAX_NEW, N_TURNS, regen_config, reset_server, served,  # noqa: F401 (fixture)
-                                      write_corpus)
+from tests.fixtures.regenerate import served  # noqa: F401 (fixture)
+from tests.fixtures.regenerate import CONVS, MAX_NEW, N_TURNS, regen_config, reset_server, write_corpus
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,8 +3,9 @@
 For each prompt: the target's plain greedy decode (reference + baseline timing), the real
 speculative decode per knob setting (chain: eagle3/real_loop/chain.py, tree: eagle3/real_loop/tree.py;
 must be token-identical: lossless), then the replay of eagle3/accept_sim.py over prompt + the target's
-greedy output (captured by one target forward), which must give the same accept length; and the cost model fed with the real loop's measured
-latencies, whose predicted tok/s is compared with the loop's measured tok/s.
+greedy output (captured by one target forward), which must give the same accept length; and the cost
+model fed with the real loop's measured latencies, whose predicted tok/s is compared with the loop's
+measured tok/s.
 """
 from __future__ import annotations
 
