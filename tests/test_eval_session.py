@@ -4,28 +4,20 @@ import pytest
 import torch
 
 from eagle3.accept_sim import SpecKnobs, build_sglang_tree
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 from eagle3.store import HiddenStateStore, HiddenStateWriter
 from eagle3.ttt import KVCache
 from eagle3.unroll import ttt_unroll
+from tests.fixtures.unroll_batch import HT, H, V
+from tests.fixtures.unroll_batch import tiny_drafter as unroll_drafter
 
-V, DV, H, HT = 40, 24, 16, 12
+DV = 24  # a larger draft vocab than the unroll tests' (V, H, HT are theirs)
 
 
 def tiny_drafter(seed=0, hf_indices=(2, 3, 4)) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, draft_vocab_size=DV, target_hidden_size=HT,
-                        aux_hf_indices=list(hf_indices), initializer_range=0.3)
-    model = Eagle3Drafter(cfg).eval()
-    model.set_embeddings(torch.randn(V, H))
-    ids = torch.sort(torch.randperm(V)[:DV]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    model.set_vocab_mapping(ids - torch.arange(DV), t2d)
-    return model
+    return unroll_drafter(seed, draft_vocab=DV, hf_indices=hf_indices, initializer_range=0.3).eval()
 
 
 @torch.no_grad()
