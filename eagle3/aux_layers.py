@@ -15,7 +15,8 @@ Rules (checked against the engines' sources; see RULE_SOURCES):
 - ``vllm``: vLLM's DeepSeek-V2/V3 backbone appends ``hidden_states + residual`` before running layer
   ``idx`` when ``idx`` is in ``aux_hidden_state_layers``, the ids as listed: h = id.
 With no ids, SGLang (and vLLM) capture h = [2, L // 2, L - 3] for L decoder layers: [2, 30, 58] for
-Kimi's 61 layers (the outputs of decoder layers 1, 29, 57).
+Kimi's 61 layers (the outputs of decoder layers 1, 29, 57). Both engines append the states while looping over
+the layers, so they reach the drafter in ascending order whatever order a config lists: h must be ascending.
 
 Pure functions on int lists; imports nothing but the standard library.
 """
@@ -34,9 +35,10 @@ RULE_SOURCES = {
               "(after PR #25454, merged 2026-05-16): [v + 1 for v in ids] if ids[0] == 1 else list(ids); "
               "DeepseekV2Model.forward captures hidden_states + residual before layer i when i in layers_to_capture",
     "sglang_legacy": "sglang deepseek_v2.py before PR #25454: layers_to_capture = [v + 1 for v in ids]",
-    "vllm": "vllm vllm/model_executor/models/deepseek_v2.py, DeepseekV2Model.forward: aux_hidden_states."
-            "append(hidden_states + residual) before layer idx when idx in self.aux_hidden_state_layers "
-            "(set from the draft config's eagle_aux_hidden_state_layer_ids as listed)",
+    "vllm": "vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py 1561-1568, DeepseekV2Model.forward: "
+            "aux_hidden_states.append(hidden_states + residual) before layer idx when idx in "
+            "self.aux_hidden_state_layers (the draft config's eagle_aux_hidden_state_layer_ids as listed, "
+            "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py); id L (1586-1589) = the last layer's un-normed output",
 }
 
 
