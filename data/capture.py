@@ -235,7 +235,7 @@ def choose_aux_layers(cfg, num_layers: int) -> AuxChoice:
     if cfg.init is not None and cfg.init.drafter_path:
         where, rule = cfg.init.drafter_path, cfg.init.aux_id_rule
         listed = listed_aux_ids(read_config_dict(where))
-        note = listed and aux_layers.disagreement_note(listed, rule, f"init drafter {where}")
+        note = aux_layers.disagreement_note(listed, rule, f"init drafter {where}")
         if note:
             print(f"[capture] WARNING {note}")
     return aux_layers.choose_hf_indices(listed, where, cfg.aux_hf_indices, num_layers, rule)

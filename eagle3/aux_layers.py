@@ -165,9 +165,11 @@ def validate_hf_indices(hf_indices, num_layers: Optional[int], what: str = "aux 
     return h
 
 
-def disagreement_note(ids: Sequence[int], rule: str, where: str) -> str | None:
+def disagreement_note(ids: Optional[Sequence[int]], rule: str, where: str) -> str | None:
     """One line when SGLang's two rules read `ids` differently (first id not 1), naming every reading and
-    the one used; None when current and legacy SGLang agree."""
+    the one used; None when current and legacy SGLang agree, or when no ids are listed."""
+    if not ids:
+        return None
     r = readings(ids)
     if r["sglang"] == r["sglang_legacy"]:
         return None

@@ -73,7 +73,7 @@ def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAU
         cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
     except (ValueError, TypeError) as e:
         raise DrafterLoadError(f"{Path(drafter_dir) / CONFIG}: {e}") from e
-    note = ids and aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}")
+    note = aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}")
     if note:
         log.warning(note)
     if cfg.unknown_keys:  # eagle3/drafter_keys.py lists every key an engine reads; these are none of them

@@ -106,7 +106,7 @@ def gather_sources(config) -> Sources:
         raise ExportError(f"capture {store_dir} cannot be read", [str(e)]) from e
     hf = store.hf_indices
     trained = ckpt_cfg.aux_hf_indices
-    if trained is not None and list(trained) != hf:
+    if aux_layers.reading_mismatch(trained, hf):  # the one drafter-vs-store agreement check, its own message here
         problems.append(f"checkpoint config's eagle_aux_hidden_state_layer_ids mean h = {trained} (current SGLang's "
                         f"reading) but the capture {store_dir} holds h = {hf}: this checkpoint was not trained on "
                         f"this capture")

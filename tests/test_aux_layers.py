@@ -51,6 +51,7 @@ def test_sglang_export_form_is_portable_where_one_exists():
 
 def test_readings_and_the_disagreement_note():
     assert al.disagreement_note([1, 29, 57], "sglang", "d") is None
+    assert al.disagreement_note(None, "sglang", "d") is None  # a config listing no ids: nothing to disagree on
     note = al.disagreement_note([2, 30, 58], "sglang", "d")
     assert "current SGLang (PR #25454+) h = [2, 30, 58]" in note and "before it h = [3, 31, 59]" in note
     assert "using rule 'sglang': h = [2, 30, 58]" in note
