@@ -5,7 +5,8 @@ frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5.
 
 Defaults are the Kimi-K2 / K2.5 drafter (issue 9): hidden 7168, 64 x 128 heads (64 KV heads),
 MLP 18432, draft vocab 32000, target vocab 163840, TTT 7, batch 1, random weights and inputs
-already on the device. Phases are timed with device synchronisation in between: forward+loss,
+already on the device. Each step runs as train/trainer.py runs it (one host sync between backward
+and optimizer, none between forward and backward; phases split by CUDA events): forward+loss,
 backward (+ clip), optimizer. Reports tokens/s, model TFLOP/s by issue 9's formula
 (6 x 1.0368e9 x T x 7 for the trainable matmuls + 344,064 x T^2 for attention, scaled to the
 chosen dims) and peak allocated / reserved memory.
@@ -80,6 +81,9 @@ def parse_args(argv=None):
                    help="SpecForge's training.compact_teacher (default off: full-vocab teacher logits)")
     p.add_argument("--anchor-no-fsdp", action="store_true",
                    help="skip SpecForge's FSDP wrap (its trainer wraps even on one GPU)")
+    p.add_argument("--memory-cap-gb", type=float, default=None,
+                   help="cap this process's GPU memory at this many GB (1e9 bytes; e.g. 96 for an RTX PRO 6000): "
+                        "a step that needs more fails with out-of-memory instead of using the H200's 141 GB")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -155,28 +159,42 @@ def sync(device):
 
 
 def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool, iters: int, warmup: int) -> dict:
+    """Median phase and step times of `iters` steps after `warmup`, each step as train/trainer.py runs it:
+    forward + loss, backward, clip, one host sync (the trainer's non-finite check), optimizer; the
+    device is synchronised before and after each step only. Forward and backward are split by CUDA
+    events (no sync between them); on CPU by the wall clock."""
     phases = {"forward_loss": [], "backward": [], "optimizer": [], "step": []}
     amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    cuda = device.type == "cuda"
     for i in range(warmup + iters):
         sync(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
         t0 = time.perf_counter()
+        if cuda:
+            events[0].record()
         with amp:
             out = objective(batch, rows)
         loss = out.loss
-        sync(device)
         t1 = time.perf_counter()
+        if cuda:
+            events[1].record()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
-        sync(device)
+        if cuda:
+            events[2].record()
+        if not torch.isfinite(loss):  # the host sync the trainer makes here
+            raise RuntimeError(f"non-finite loss {float(loss)} in the benchmark step")
         t2 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         t3 = time.perf_counter()
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"non-finite loss {float(loss)} in the benchmark step")
+        if cuda:
+            fwd, bwd = events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3
+        else:
+            fwd, bwd = t1 - t0, t2 - t1
         if i >= warmup:
-            for k, v in (("forward_loss", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2), ("step", t3 - t0)):
+            for k, v in (("forward_loss", fwd), ("backward", bwd), ("optimizer", t3 - t2), ("step", t3 - t0)):
                 phases[k].append(v)
     return {k: statistics.median(v) for k, v in phases.items()} | {"loss": float(loss.detach())}
 
@@ -460,6 +478,11 @@ def main(argv=None) -> list[dict]:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     autocast = device.type == "cuda" and not args.no_autocast
     amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    if args.memory_cap_gb and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), device)
+        print(f"GPU memory capped at {args.memory_cap_gb:g} GB ({args.memory_cap_gb * 1e9 / 2**30:.1f} GiB) of "
+              f"{total / 2**30:.1f} GiB", flush=True)
     objective, rows, draft_ids = build(args.dims, args.ttt, device, bf16=autocast)
     objective.compile = args.compile
     objective.attention_kernel = args.attention_kernel

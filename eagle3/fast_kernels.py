@@ -35,16 +35,14 @@ def rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> tor
     return torch.cat((x1 * cos_half - x2 * sin_half, x2 * cos_half + x1 * sin_half), dim=-1)
 
 
-def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight: torch.Tensor,
-                     w_qkv_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                     heads: int, kv_heads: int, head_dim: int):
-    """q/k/v of one step: hidden [B,T,H] -> hidden_norm -> the hidden half of q/k/v plus the
-    precomputed embedding half qkv_embed [B,T,(h+2hkv)d]; rope with cos/sin [B,T,1,d].
-    Returns q [B,T,h,d], k, v [B,T,hkv,d], each its own dense sequence-major tensor (the layout the
-    attention kernels take without a copy; compiled, each is written once by the fused kernel)."""
-    B, T, _ = hidden.shape
-    x = rms_norm(hidden, norm_weight, eps, w_qkv_hidden.dtype)
-    qkv = F.linear(x, w_qkv_hidden) + qkv_embed
+def rope_qkv(qkv_hidden: torch.Tensor, qkv_embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             heads: int, kv_heads: int, head_dim: int):
+    """q/k/v of one step from the two halves of the q/k/v projection, qkv_hidden + qkv_embed
+    [B,T,(h+2hkv)d], with rope (cos/sin [B,T,1,d]) on q and k. Returns q [B,T,h,d], k, v [B,T,hkv,d],
+    each its own dense sequence-major tensor (the layout the attention kernels take without a copy;
+    compiled, each is written once by the fused kernel)."""
+    B, T, _ = qkv_hidden.shape
+    qkv = qkv_hidden + qkv_embed
     q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
     c, s = cos[..., : head_dim // 2], sin[..., : head_dim // 2]  # [B,T,1,d/2]
     q = rope(qkv[..., :q_end].view(B, T, heads, head_dim), c, s)
@@ -53,15 +51,29 @@ def attention_inputs(hidden: torch.Tensor, qkv_embed: torch.Tensor, norm_weight:
     return q, k, v
 
 
-def attention_output_and_mlp(attn: torch.Tensor, hidden: torch.Tensor, w_o: torch.Tensor,
-                             post_norm_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                             eps: float) -> torch.Tensor:
-    """attn [B,T,h,d] -> o_proj + residual -> post_attention_layernorm -> SwiGLU MLP + residual:
-    the step's pre-norm output [B,T,H]."""
-    B, T, _ = hidden.shape
-    h1 = hidden + F.linear(attn.reshape(B, T, -1), w_o)
-    gate, up = F.linear(rms_norm(h1, post_norm_weight, eps, w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
-    return h1 + F.linear(F.silu(gate) * up, w_down)
+def residual_norm(hidden: torch.Tensor, attn_out: torch.Tensor, weight: torch.Tensor, eps: float,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """After o_proj: h1 = hidden + attn_out [B,T,H], and post_attention_layernorm(h1) in the matmul dtype."""
+    h1 = hidden + attn_out
+    return h1, rms_norm(h1, weight, eps, out_dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [..., 2I] = cat(gate, up): [..., I] in gate_up's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_backward(gate_up: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    """The gradient of `swiglu` at gate_up [..., 2I] for d_act [..., I]: cat(d gate, d up), gate_up's
+    dtype (the math in fp32 or wider)."""
+    acc = _acc(gate_up.dtype)
+    gate, up = (t.to(acc) for t in gate_up.chunk(2, dim=-1))
+    d = d_act.to(acc)
+    sig = torch.sigmoid(gate)
+    d_gate = d * up * sig * (1 + gate * (1 - sig))
+    d_up = d * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
 
 
 def loss_rows_norm(prenorm: torch.Tensor, flat_rows: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -108,21 +120,25 @@ def diagonal_merge_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tens
     return dq.to(q.dtype), dkeys, dvalues
 
 
-def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch.Tensor):
+def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor):
     """One chunk of eagle3/fused_ce.py: logits [n,V] (compute dtype), teacher_probs fp32 [M,V],
-    rows Long [n]. Returns (summed soft CE, dloss/dlogits [n,V] in logits' dtype, argmax Long [n])."""
+    rows Long [n], scale fp32 0-dim. Returns (summed soft CE, d(scale * loss)/dlogits [n,V] in logits'
+    dtype, argmax Long [n])."""
     acc = _acc(logits.dtype)
     lf = logits.to(acc)
     p = teacher_probs[rows].to(acc)
     lse = torch.logsumexp(lf, dim=-1, keepdim=True)
     loss = (p * (lse - lf)).sum()
-    g = torch.exp(lf - lse) * p.sum(-1, keepdim=True) - p
+    g = (torch.exp(lf - lse) * p.sum(-1, keepdim=True) - p) * scale.to(acc)
     return loss, g.to(logits.dtype), lf.argmax(dim=-1)
 
 
 _FUNCTIONS: dict[str, Callable] = {
-    "attention_inputs": attention_inputs,
-    "attention_output_and_mlp": attention_output_and_mlp,
+    "rms_norm": rms_norm,
+    "rope_qkv": rope_qkv,
+    "residual_norm": residual_norm,
+    "swiglu": swiglu,
+    "swiglu_backward": swiglu_backward,
     "loss_rows_norm": loss_rows_norm,
     "diagonal_merge_forward": diagonal_merge_forward,
     "diagonal_merge_backward": diagonal_merge_backward,
@@ -134,8 +150,11 @@ _FUNCTIONS: dict[str, Callable] = {
 # I, V, B) stays a constant, which is what makes Inductor's index arithmetic cheap. Compiled with
 # every size symbolic (dynamic=True) the rope / SwiGLU kernels ran 3-8x slower on an H200 (BENCHMARKS.md).
 VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
-    "attention_inputs": ((0, 1), (1, 1), (4, 1), (5, 1)),
-    "attention_output_and_mlp": ((0, 1), (1, 1)),
+    "rms_norm": ((0, 1),),
+    "rope_qkv": ((0, 1), (1, 1), (2, 1), (3, 1)),
+    "residual_norm": ((0, 1), (1, 1)),
+    "swiglu": ((0, 1),),
+    "swiglu_backward": ((0, 1), (1, 1)),
     "loss_rows_norm": ((0, 1), (1, 0)),
     "diagonal_merge_forward": ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2), (4, 0), (4, 2)),
     "diagonal_merge_backward": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 0), (5, 2), (6, 0), (6, 2)),

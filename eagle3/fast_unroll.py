@@ -13,6 +13,9 @@ What differs from the reference unroll (which steps the drafter module as infere
     compute dtype once per batch instead of once per use.
   * The loss is a chunked fused linear soft cross-entropy (eagle3/fused_ce.py): no fp32 logits
     are kept for backward.
+  * Weight gradients are summed over the steps in fp32 inside the GEMMs (eagle3/wgrad.py), not by
+    autograd adding bf16 tensors; the SwiGLU product is recomputed in the backward (_SwiGLUDown)
+    instead of being kept for every step.
 The module's parameters are used as they are (SGLang names): nothing about the checkpoint changes.
 tests/test_fast_unroll.py checks loss, per-step counts/accuracy and every gradient against
 `ttt_unroll`; benchmarks/bench_train_step.py measures both in one process.
@@ -28,15 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.fused_ce import linear_soft_cross_entropy
+from eagle3.fused_ce import scaled_linear_soft_cross_entropy
 from eagle3.loss import loss_positions, step_weights
-from eagle3.fast_kernels import kernel, rms_norm
+from eagle3.fast_kernels import kernel
 from eagle3.model import check_aux_width, rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
 from eagle3.attention_check import checked_attention_kernel
 from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
                               kernel_inputs)
 from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, teacher_probs
+from eagle3.wgrad import ALL, WeightGrads, linear, shared_weights
 
 
 def compute_dtype(reference: torch.Tensor) -> torch.dtype:
@@ -47,20 +51,40 @@ def compute_dtype(reference: torch.Tensor) -> torch.dtype:
     return reference.dtype
 
 
-class _Weights:
-    """The layer's weights in compute dtype, split and concatenated for the fast step (per batch)."""
+def _shared_weights(model: nn.Module, grads: WeightGrads, dt: torch.dtype) -> dict[str, torch.Tensor]:
+    """The drafter's matrices in compute dtype, split and concatenated for the fast step (per batch);
+    their gradients are summed in fp32 over the steps by `grads` (eagle3/wgrad.py)."""
+    layer = model.midlayer
+    attn, mlp = layer.self_attn, layer.mlp
+    H = model.config.hidden_size
+    qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    return shared_weights(grads, {
+        "fc": [(model.fc.weight, ALL, ALL)],                                  # [H, 3 H_target]
+        "qkv_embed": [(w, ALL, slice(None, H)) for w in qkv],                 # [(h+2hkv)d, H]
+        "qkv_hidden": [(w, ALL, slice(H, None)) for w in qkv],                # [(h+2hkv)d, H]
+        "o": [(attn.o_proj.weight, ALL, ALL)],                                # [H, h d]
+        "gate_up": [(mlp.gate_proj.weight, ALL, ALL), (mlp.up_proj.weight, ALL, ALL)],  # [2I, H]
+        "down": [(mlp.down_proj.weight, ALL, ALL)],                           # [H, I]
+        "lm_head": [(model.lm_head.weight, ALL, ALL)],                        # [draft_V, H]
+    }, dt)
 
-    def __init__(self, model: nn.Module, dt: torch.dtype):
-        layer = model.midlayer
-        attn, mlp = layer.self_attn, layer.mlp
-        H = model.config.hidden_size
-        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        self.qkv_embed = torch.cat([w[:, :H].to(dt) for w in qkv])    # [(h+2hkv)d, H]
-        self.qkv_hidden = torch.cat([w[:, H:].to(dt) for w in qkv])   # [(h+2hkv)d, H]
-        self.o = attn.o_proj.weight.to(dt)                             # [H, h d]
-        self.gate_up = torch.cat([mlp.gate_proj.weight.to(dt), mlp.up_proj.weight.to(dt)])  # [2I, H]
-        self.down = mlp.down_proj.weight.to(dt)                        # [H, I]
-        self.lm_head = model.lm_head.weight.to(dt)                     # [draft_V, H]
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down_proj(silu(gate) * up) from gate_up [B,T,2I]. Keeps only gate_up for the backward and
+    recomputes the [B,T,I] product there (one elementwise pass), which saves I values per position
+    and TTT step (at Kimi-K2 size 36 KB per position per step: 8 GB at T = 32768)."""
+
+    @staticmethod
+    def forward(ctx, grads: WeightGrads, compiled: bool, gate_up, w_down):
+        ctx.grads, ctx.compiled = grads, compiled
+        ctx.save_for_backward(gate_up, w_down)
+        return F.linear(kernel("swiglu", compiled)(gate_up), w_down)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate_up, w_down = ctx.saved_tensors
+        ctx.grads.add("down", dy, kernel("swiglu", ctx.compiled)(gate_up))
+        return None, None, kernel("swiglu_backward", ctx.compiled)(gate_up, dy @ w_down), None
 
 
 def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
@@ -107,23 +131,26 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     dt = compute_dtype(model.fc.weight)
     kernel_name = checked_attention_kernel(attention_kernel, device, dt, d)  # cuDNN only once it matched flash here
     check_aux_width(aux, model.fc)
-    hidden = F.linear(aux.to(dt), model.fc.weight.to(dt))                 # [B, T, H] (fc, in compute dtype)
-    w = _Weights(model, dt)
+    grads = WeightGrads()
+    w = _shared_weights(model, grads, dt)
     layer = model.midlayer
+    norm = kernel("rms_norm", compiled)
+    hidden = linear(grads, "fc", aux.to(dt), w["fc"])                      # [B, T, H] (fc, in compute dtype)
     embeds = model.embed_tokens(ids_strip).to(hidden.dtype)
-    e_norm = rms_norm(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, dt)
-    qkv_embed = F.linear(e_norm, w.qkv_embed)                              # [B, T+K-1, (h+2hkv)d]
+    e_norm = norm(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, dt)
+    qkv_embed = linear(grads, "qkv_embed", e_norm, w["qkv_embed"])         # [B, T+K-1, (h+2hkv)d]
     scale = 1.0 / math.sqrt(d)
     k0 = v0 = diagonal = None
     fallback = TTTCache()
-    sums, corrects = [], []
-    pre, post = kernel("attention_inputs", compiled), kernel("attention_output_and_mlp", compiled)
+    scaled, sums, corrects = [], [], []
+    rope_qkv, residual_norm = kernel("rope_qkv", compiled), kernel("residual_norm", compiled)
     final_norm = kernel("loss_rows_norm", compiled)
     for k in range(K):
         cos, sin = rope_cos_sin(inv_freq, position_ids + k, dt)
         cos, sin = cos[:, :, None], sin[:, :, None]                           # [B, T, 1, d]
-        q, key, val = pre(hidden, qkv_embed[:, k:k + T], layer.hidden_norm.weight, w.qkv_hidden, cos, sin,
-                          layer.hidden_norm.eps, h, hkv, d)                   # [B, T, h|hkv, d]
+        x = norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, dt)
+        q, key, val = rope_qkv(linear(grads, "qkv_hidden", x, w["qkv_hidden"]), qkv_embed[:, k:k + T], cos, sin,
+                               h, hkv, d)                                     # [B, T, h|hkv, d]
         if not flash_supported(q):  # e.g. fp32 on CUDA: the reference attention, the rest stays fast
             attn = fallback.attend(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2)).transpose(1, 2)
         else:
@@ -136,16 +163,19 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
             else:
                 diagonal.append(key, val)
                 attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled, kernel_name)
-        prenorm = post(attn, hidden, w.o, layer.post_attention_layernorm.weight, w.gate_up, w.down,
-                       layer.post_attention_layernorm.eps)                    # [B, T, H]
+        h1, x2 = residual_norm(hidden, linear(grads, "o", attn.reshape(B, T, -1), w["o"]),
+                               layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, dt)
+        prenorm = h1 + _SwiGLUDown.apply(grads, compiled, linear(grads, "gate_up", x2, w["gate_up"]), w["down"])
         flat = step_rows[k]
         src = flat + (k + 1)
-        x = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]
-        loss_k, top = linear_soft_cross_entropy(x, w.lm_head, teacher_p, row_of[src], ce_chunk_rows, compiled)
-        sums.append(loss_k)
+        xn = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]
+        loss_k, sum_k, top = scaled_linear_soft_cross_entropy(xn, w["lm_head"], teacher_p, row_of[src], scales[k],
+                                                              ce_chunk_rows, compiled, grads, "lm_head")
+        scaled.append(loss_k)
+        sums.append(sum_k)
         with torch.no_grad():
             corrects.append(((top + d2t[top]) == argmax_flat[src]).sum().to(torch.float32))
         hidden = prenorm
-    loss_sum = torch.stack(sums)
-    loss = (scales * loss_sum).sum()
-    return UnrollOutput(loss=loss, loss_sum=loss_sum.detach(), correct=torch.stack(corrects), count=count)
+    # one sum of the steps' scaled losses: every step's loss gets the same upstream gradient (WeightGrads)
+    loss = torch.stack(scaled).sum()
+    return UnrollOutput(loss=loss, loss_sum=torch.stack(sums), correct=torch.stack(corrects), count=count)

@@ -1,0 +1,121 @@
+"""eagle3/wgrad.py: weight gradients summed in fp32 over a batch's uses, handed to the parameters
+through one autograd node; and the fast unroll's SwiGLU recompute (eagle3/fast_unroll._SwiGLUDown)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.fast_unroll import _SwiGLUDown
+from eagle3.fused_ce import scaled_linear_soft_cross_entropy
+from eagle3.wgrad import ALL, WeightGrads, linear, matmul_accumulate, shared_weights
+
+
+def _params(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(6, 10, generator=g, dtype=dtype, requires_grad=True)   # [out, 2H], H = 5
+    k = torch.randn(4, 10, generator=g, dtype=dtype, requires_grad=True)
+    o = torch.randn(5, 6, generator=g, dtype=dtype, requires_grad=True)
+    return q, k, o
+
+
+def test_matmul_accumulate_adds_products_in_the_buffer_dtype():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 7, generator=g), torch.randn(7, 4, generator=g)
+    acc = matmul_accumulate(None, a, b, torch.float64)
+    assert acc.dtype == torch.float64
+    again = matmul_accumulate(acc, 2 * a, b, torch.float64)
+    assert again is acc  # in place
+    torch.testing.assert_close(acc, 3 * (a.double() @ b.double()))
+    with pytest.raises(ValueError, match="does not take"):
+        matmul_accumulate(acc, a, b[:, :3], torch.float64)
+
+
+def test_shared_weights_hand_the_summed_gradients_of_every_use_to_their_pieces():
+    """Slices of parameters concatenated, used three times each through `linear` (and once through
+    plain autograd): the parameters' gradients equal plain autograd's over the same computation."""
+    H = 5
+    q, k, o = _params()
+    x = torch.randn(2, 3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def forward(wq_e, wq_h, wo, lin):
+        h = x
+        total = 0
+        for _ in range(3):
+            y = lin("qk_hidden", torch.tanh(h), wq_h)                   # [2,3,10]
+            h = h + lin("o", y[..., :6], wo)                          # [2,3,5]
+            total = total + (h ** 2).sum()
+        return total + (F.linear(x, wq_e) ** 2).sum()                 # the embed half through autograd
+
+    plain = forward(torch.cat([q[:, :H], k[:, :H]]), torch.cat([q[:, H:], k[:, H:]]), o,
+                    lambda name, a, w: F.linear(a, w))
+    want = torch.autograd.grad(plain, (q, k, o))
+    grads = WeightGrads()
+    w = shared_weights(grads, {"qk_embed": [(q, ALL, slice(None, H)), (k, ALL, slice(None, H))],
+                               "qk_hidden": [(q, ALL, slice(H, None)), (k, ALL, slice(H, None))],
+                               "o": [(o, ALL, ALL)]}, torch.float64)
+    out = forward(w["qk_embed"], w["qk_hidden"], w["o"], lambda name, a, wt: linear(grads, name, a, wt))
+    torch.testing.assert_close(out, plain)
+    got = torch.autograd.grad(out, (q, k, o))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert grads.uses == {"qk_hidden": 3, "o": 3}
+
+
+def test_a_second_backward_through_the_same_sums_is_refused():
+    q, k, o = _params()
+    grads = WeightGrads()
+    w = shared_weights(grads, {"o": [(o, ALL, ALL)]}, torch.float64)
+    y = linear(grads, "o", torch.ones(2, 6, dtype=torch.float64), w["o"]).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.backward()
+
+
+def test_swiglu_down_recomputes_the_product_and_matches_autograd():
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(2, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.autograd.grad(F.linear(F.silu(gate) * up, down), (gu, down), dy)
+    grads = WeightGrads()
+    w = shared_weights(grads, {"down": [(down, ALL, ALL)]}, torch.float64)
+    got = torch.autograd.grad(_SwiGLUDown.apply(grads, False, gu, w["down"]), (gu, down), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_scaled_soft_ce_through_weight_grads_scales_by_the_upstream_gradient():
+    """The lm_head sum is filled in the forward and scaled when handed over: 3 * (s1 CE1 + s2 CE2)
+    gives the same weight gradient as plain autograd of the same expression."""
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    xs = [torch.randn(n, 5, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 3)]
+    teacher = torch.softmax(torch.randn(7, 6, generator=g, dtype=torch.float64), -1)
+    rows = [torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5])]
+    scales = [torch.tensor(0.5, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64)]
+
+    def plain_ce(x, r):
+        logp = torch.log_softmax(x @ W.t(), -1)
+        return -(teacher[r] * logp).sum()
+
+    plain = 3 * sum(s * plain_ce(x, r) for x, r, s in zip(xs, rows, scales))
+    want = torch.autograd.grad(plain, (W, *xs))
+    grads = WeightGrads()
+    w = shared_weights(grads, {"lm_head": [(W, ALL, ALL)]}, torch.float64)
+    parts = [scaled_linear_soft_cross_entropy(x, w["lm_head"], teacher, r, s, 2, False, grads)
+             for x, r, s in zip(xs, rows, scales)]
+    for (sc, raw, _), x, r, s in zip(parts, xs, rows, scales):
+        torch.testing.assert_close(raw, plain_ce(x, r).detach())
+        torch.testing.assert_close(sc.detach(), s * raw)
+    got = torch.autograd.grad(3 * (parts[0][0] + parts[1][0]), (W, *xs))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_one_weight_scaled_by_two_upstream_factors_is_refused():
+    grads = WeightGrads()
+    grads.set_upstream("lm_head", torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="one factor per weight"):
+        grads.set_upstream("lm_head", torch.tensor(2.0))
