@@ -115,8 +115,10 @@ def main(argv=None) -> None:
     if args.trace:
         with gzip.open(args.trace, "wt") as f:
             json.dump({"traceEvents": events}, f)
-    steps = sorted((e for e in events if e.get("name") == "## step" and e.get("cat") == "user_annotation"),
-                   key=lambda e: e["ts"])
+    # the steps' spans on the GPU timeline (the CPU ranges run ahead of the GPU work they queue)
+    spans = [e for e in events if e.get("name") == "## step" and e.get("cat") == "gpu_user_annotation"] or \
+        [e for e in events if e.get("name") == "## step" and e.get("cat") == "user_annotation"]
+    steps = sorted(spans, key=lambda e: e["ts"])
     intervals = gpu_intervals(events)
     for i, s in enumerate(steps):
         start = s["ts"]

@@ -27,6 +27,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     return (weight * xf.to(x.dtype)).to(out_dtype)
 
 
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `rms_norm(x, weight, eps, d_out.dtype)` for d_out: (dx in x's dtype, dweight in
+    weight's dtype, summed over the leading dims), with autograd's casts: the gradient of the
+    normalised x is rounded to x's dtype where the forward rounded it."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = (xf * r).to(x.dtype)
+    prod = torch.promote_types(weight.dtype, x.dtype)  # the dtype of weight * n in the forward
+    g = d_out.to(prod)
+    d_weight = (g * n.to(prod)).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+    du = (g * weight).to(x.dtype).to(acc)
+    dx = r * du - xf * (r ** 3) * (du * xf).mean(-1, keepdim=True)
+    return dx.to(x.dtype), d_weight
+
+
 def rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [..., d] as the two halves of each head, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
     which is x * cos + rotate_half(x) * sin for cos/sin = cat(c, c) / cat(s, s); c/s [..., d/2] broadcast."""
@@ -49,13 +66,6 @@ def rope_qkv(qkv_hidden: torch.Tensor, qkv_embed: torch.Tensor, cos: torch.Tenso
     k = rope(qkv[..., q_end:k_end].view(B, T, kv_heads, head_dim), c, s)
     v = qkv[..., k_end:].contiguous().view(B, T, kv_heads, head_dim)
     return q, k, v
-
-
-def residual_norm(hidden: torch.Tensor, attn_out: torch.Tensor, weight: torch.Tensor, eps: float,
-                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """After o_proj: h1 = hidden + attn_out [B,T,H], and post_attention_layernorm(h1) in the matmul dtype."""
-    h1 = hidden + attn_out
-    return h1, rms_norm(h1, weight, eps, out_dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -136,7 +146,7 @@ def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch
 _FUNCTIONS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rope_qkv": rope_qkv,
-    "residual_norm": residual_norm,
+    "rms_norm_backward": rms_norm_backward,
     "swiglu": swiglu,
     "swiglu_backward": swiglu_backward,
     "loss_rows_norm": loss_rows_norm,
@@ -152,7 +162,7 @@ _FUNCTIONS: dict[str, Callable] = {
 VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
     "rms_norm": ((0, 1),),
     "rope_qkv": ((0, 1), (1, 1), (2, 1), (3, 1)),
-    "residual_norm": ((0, 1), (1, 1)),
+    "rms_norm_backward": ((0, 1), (3, 1)),
     "swiglu": ((0, 1),),
     "swiglu_backward": ((0, 1), (1, 1)),
     "loss_rows_norm": ((0, 1), (1, 0)),

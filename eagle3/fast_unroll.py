@@ -69,6 +69,31 @@ def _shared_weights(model: nn.Module, grads: WeightGrads, dt: torch.dtype) -> di
     }, dt)
 
 
+class _NormLinear(torch.autograd.Function):
+    """rms_norm(x) @ W^T with the norm recomputed in the backward: keeps x (which the step keeps
+    anyway: the residual stream) instead of the normalised copy, H values per position and use less
+    (14 KB per position per TTT step at Kimi-K2 size, two uses per step: 6 GB at T = 32768)."""
+
+    @staticmethod
+    def forward(ctx, grads: WeightGrads, name: str, compiled: bool, eps: float, x, norm_weight, w):
+        ctx.grads, ctx.name, ctx.compiled, ctx.eps = grads, name, compiled, eps
+        ctx.save_for_backward(x, norm_weight, w)
+        return F.linear(kernel("rms_norm", compiled)(x, norm_weight, eps, w.dtype), w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, norm_weight, w = ctx.saved_tensors
+        ctx.grads.add(ctx.name, dy, kernel("rms_norm", ctx.compiled)(x, norm_weight, ctx.eps, w.dtype))
+        dx, d_norm = kernel("rms_norm_backward", ctx.compiled)(x, norm_weight, ctx.eps, dy @ w)
+        return None, None, None, None, dx, d_norm, None
+
+
+def _norm_linear(grads: WeightGrads, name: str, x: torch.Tensor, norm: nn.Module, w: torch.Tensor,
+                 compiled: bool) -> torch.Tensor:
+    """norm(x) @ w^T in w's dtype, norm an RMSNorm module (weight, eps); w a `shared_weights` copy."""
+    return _NormLinear.apply(grads, name, compiled, float(norm.eps), x, norm.weight, w)
+
+
 class _SwiGLUDown(torch.autograd.Function):
     """down_proj(silu(gate) * up) from gate_up [B,T,2I]. Keeps only gate_up for the backward and
     recomputes the [B,T,I] product there (one elementwise pass), which saves I values per position
@@ -134,23 +159,20 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     grads = WeightGrads()
     w = _shared_weights(model, grads, dt)
     layer = model.midlayer
-    norm = kernel("rms_norm", compiled)
     hidden = linear(grads, "fc", aux.to(dt), w["fc"])                      # [B, T, H] (fc, in compute dtype)
     embeds = model.embed_tokens(ids_strip).to(hidden.dtype)
-    e_norm = norm(embeds, layer.input_layernorm.weight, layer.input_layernorm.eps, dt)
-    qkv_embed = linear(grads, "qkv_embed", e_norm, w["qkv_embed"])         # [B, T+K-1, (h+2hkv)d]
+    qkv_embed = _norm_linear(grads, "qkv_embed", embeds, layer.input_layernorm, w["qkv_embed"],
+                             compiled)                                     # [B, T+K-1, (h+2hkv)d]
     scale = 1.0 / math.sqrt(d)
     k0 = v0 = diagonal = None
     fallback = TTTCache()
     scaled, sums, corrects = [], [], []
-    rope_qkv, residual_norm = kernel("rope_qkv", compiled), kernel("residual_norm", compiled)
-    final_norm = kernel("loss_rows_norm", compiled)
+    rope_qkv, final_norm = kernel("rope_qkv", compiled), kernel("loss_rows_norm", compiled)
     for k in range(K):
         cos, sin = rope_cos_sin(inv_freq, position_ids + k, dt)
         cos, sin = cos[:, :, None], sin[:, :, None]                           # [B, T, 1, d]
-        x = norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, dt)
-        q, key, val = rope_qkv(linear(grads, "qkv_hidden", x, w["qkv_hidden"]), qkv_embed[:, k:k + T], cos, sin,
-                               h, hkv, d)                                     # [B, T, h|hkv, d]
+        q, key, val = rope_qkv(_norm_linear(grads, "qkv_hidden", hidden, layer.hidden_norm, w["qkv_hidden"], compiled),
+                               qkv_embed[:, k:k + T], cos, sin, h, hkv, d)  # [B, T, h|hkv, d]
         if not flash_supported(q):  # e.g. fp32 on CUDA: the reference attention, the rest stays fast
             attn = fallback.attend(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2)).transpose(1, 2)
         else:
@@ -161,11 +183,12 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                 attn = causal_attention(q, k0, v0, scale, kernel_name)
                 diagonal = DiagonalKeys(K - 1, q)
             else:
-                diagonal.append(key, val)
+                diagonal.append(key, val, release=True)  # no backward reads them: only the buffer copy stays
                 attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled, kernel_name)
-        h1, x2 = residual_norm(hidden, linear(grads, "o", attn.reshape(B, T, -1), w["o"]),
-                               layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, dt)
-        prenorm = h1 + _SwiGLUDown.apply(grads, compiled, linear(grads, "gate_up", x2, w["gate_up"]), w["down"])
+            del key, val
+        h1 = hidden + linear(grads, "o", attn.reshape(B, T, -1), w["o"])
+        gate_up = _norm_linear(grads, "gate_up", h1, layer.post_attention_layernorm, w["gate_up"], compiled)
+        prenorm = h1 + _SwiGLUDown.apply(grads, compiled, gate_up, w["down"])
         flat = step_rows[k]
         src = flat + (k + 1)
         xn = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]

@@ -144,7 +144,10 @@ class DiagonalKeys:
         self.inputs: list[torch.Tensor] = []  # the autograd inputs: k_1, v_1, k_2, v_2, ...
         self.n = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, release: bool = False) -> None:
+        """Copy step n's keys/values into slot n. release: free k's and v's own storage afterwards (the
+        tensors stay as autograd inputs, which is all the attention needs of them; only for tensors no
+        backward reads, and only where a tensor owns its whole storage, so no other tensor loses data)."""
         if self.n >= self.keys.shape[0]:
             raise ValueError(f"DiagonalKeys holds {self.keys.shape[0]} steps; step {self.n + 1} does not fit")
         for name, x in (("key", k), ("value", v)):
@@ -156,6 +159,12 @@ class DiagonalKeys:
             self.values[self.n].copy_(v)
         self.inputs += [k, v]
         self.n += 1
+        if release:
+            owned = [x for x in (k, v) if x.storage_offset() == 0
+                     and x.untyped_storage().nbytes() == x.numel() * x.element_size()]
+            if len({x.untyped_storage().data_ptr() for x in owned}) == len(owned):  # not one shared storage
+                for x in owned:
+                    x.untyped_storage().resize_(0)
 
 
 class _CausalPlusDiagonal(torch.autograd.Function):

@@ -91,7 +91,7 @@ class WeightGrads:
         """The summed gradient of `name` (None if nothing was added), scaled by its upstream factor."""
         g = self.sums.get(name)
         if g is not None and name in self.upstream:
-            g = g * self.upstream[name].to(g.dtype)
+            g = g.to(torch.promote_types(g.dtype, torch.float32)) * self.upstream[name]
         return g
 
 

@@ -119,3 +119,48 @@ def test_one_weight_scaled_by_two_upstream_factors_is_refused():
     grads.set_upstream("lm_head", torch.tensor(1.0))
     with pytest.raises(RuntimeError, match="one factor per weight"):
         grads.set_upstream("lm_head", torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)])
+def test_rms_norm_backward_is_autograd_of_rms_norm(x_dtype, w_dtype):
+    from eagle3.fast_kernels import rms_norm, rms_norm_backward
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 16, generator=g).to(x_dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(16, generator=g)).to(w_dtype).requires_grad_()
+    d_out = torch.randn(2, 3, 16, generator=g).to(x_dtype)
+    want = torch.autograd.grad(rms_norm(x, w, 1e-6, x_dtype), (x, w), d_out)
+    got = rms_norm_backward(x.detach(), w.detach(), 1e-6, d_out)
+    assert got[0].dtype == x_dtype and got[1].dtype == w_dtype
+    tol = dict(rtol=1e-10, atol=1e-12) if x_dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_norm_linear_recomputes_the_norm_and_matches_autograd():
+    from eagle3.fast_kernels import rms_norm
+    from eagle3.fast_unroll import _NormLinear
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    nw = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(F.linear(rms_norm(x, nw, 1e-6, torch.float64), W), (x, nw, W), dy)
+    grads = WeightGrads()
+    w = shared_weights(grads, {"w": [(W, ALL, ALL)]}, torch.float64)
+    got = torch.autograd.grad(_NormLinear.apply(grads, "w", False, 1e-6, x, nw, w["w"]), (x, nw, W), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_diagonal_keys_release_only_tensors_that_own_their_storage():
+    from eagle3.ttt_flash import DiagonalKeys
+    q = torch.randn(1, 4, 2, 3)
+    keys = DiagonalKeys(2, q)
+    k, v = torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 3)
+    keys.append(k, v, release=True)
+    assert k.untyped_storage().nbytes() == 0 and v.untyped_storage().nbytes() == 0
+    big = torch.randn(2, 1, 4, 2, 3)
+    k2, v2 = big[0], big[1]  # views of one storage: kept
+    keys.append(k2, v2, release=True)
+    assert big.untyped_storage().nbytes() > 0
+    torch.testing.assert_close(keys.keys[1], big[0])
