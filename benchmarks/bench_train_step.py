@@ -480,7 +480,8 @@ def main(argv=None) -> list[dict]:
     amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     if args.memory_cap_gb and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total),
+                                                  device.index if device.index is not None else torch.cuda.current_device())
         print(f"GPU memory capped at {args.memory_cap_gb:g} GB ({args.memory_cap_gb * 1e9 / 2**30:.1f} GiB) of "
               f"{total / 2**30:.1f} GiB", flush=True)
     objective, rows, draft_ids = build(args.dims, args.ttt, device, bf16=autocast)
