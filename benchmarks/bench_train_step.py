@@ -81,6 +81,8 @@ def parse_args(argv=None):
                    help="SpecForge's training.compact_teacher (default off: full-vocab teacher logits)")
     p.add_argument("--anchor-no-fsdp", action="store_true",
                    help="skip SpecForge's FSDP wrap (its trainer wraps even on one GPU)")
+    p.add_argument("--anchor-max-seq-len", type=int, default=None,
+                   help="run the anchor only up to this T (longer rows are reported without an anchor)")
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="cap this process's GPU memory at this many GB (1e9 bytes; e.g. 96 for an RTX PRO 6000): "
                         "a step that needs more fails with out-of-memory instead of using the H200's 141 GB")
@@ -388,11 +390,13 @@ def find_row(results: list[dict], impl: str, T: int, share: float) -> dict | Non
                  and "tokens_per_s" in r), None)
 
 
-def anchor_pairs(results: list[dict]) -> list[tuple[int, float]]:
-    """The (T, loss share) pairs the anchor must run at: every timed fast row, in order, once each."""
+def anchor_pairs(results: list[dict], max_seq_len: int | None = None) -> list[tuple[int, float]]:
+    """The (T, loss share) pairs the anchor must run at: every timed fast row (up to max_seq_len), in
+    order, once each."""
     pairs = []
     for r in results:
-        if r.get("impl") in ("fast", "fast-from-store") and "tokens_per_s" in r and (r["T"], r["share"]) not in pairs:
+        if r.get("impl") in ("fast", "fast-from-store") and "tokens_per_s" in r and (r["T"], r["share"]) not in pairs \
+                and (max_seq_len is None or r["T"] <= max_seq_len):
             pairs.append((r["T"], r["share"]))
     return pairs
 
@@ -401,7 +405,7 @@ def anchor_summary(results: list[dict]) -> list[dict]:
     """Per (T, share): this project's fast step in memory and fed from the store, SpecForge's own step,
     and the tokens/s ratios (the same-run figures every speed claim quotes)."""
     out = []
-    for T, share in anchor_pairs(results):
+    for T, share in anchor_pairs(results):  # every fast row; the anchor columns stay empty where it did not run
         mem, store, sf = (find_row(results, impl, T, share) for impl in ("fast", "fast-from-store", "specforge"))
         row = {"T": T, "share": share, "fast_tokens_per_s": mem and mem["tokens_per_s"],
                "store_tokens_per_s": store and store["tokens_per_s"], "anchor_tokens_per_s": sf and sf["tokens_per_s"]}
@@ -563,7 +567,7 @@ def main(argv=None) -> list[dict]:
     results += [dict(r, impl="fast-from-store") for r in store_rows]
     summary = None
     if args.anchor:
-        pairs = anchor_pairs(results)
+        pairs = anchor_pairs(results, args.anchor_max_seq_len)
         free_objective(ctx)
         results += run_anchor(ctx, pairs)
         summary = anchor_summary(results)

@@ -71,6 +71,9 @@ def test_anchor_summary_pairs_rows_by_length_and_share():
             {"impl": "specforge", "T": 4096, "share": 0.65, "tokens_per_s": 10000.0},
             {"impl": "specforge", "T": 4096, "share": 1.0, "tokens_per_s": 9000.0}]
     assert bench.anchor_pairs(rows) == [(4096, 1.0), (4096, 0.65)]
+    long = rows + [{"impl": "fast", "T": 32768, "share": 1.0, "tokens_per_s": 11000.0}]
+    assert bench.anchor_pairs(long, max_seq_len=8192) == [(4096, 1.0), (4096, 0.65)]  # the anchor skips T=32768
+    assert bench.anchor_summary(long)[-1]["fast_vs_anchor"] is None                    # ... and its row has no ratio
     full, mix = bench.anchor_summary(rows)
     assert (full["fast_vs_anchor"], full["store_vs_anchor"]) == (round(13000 / 9000, 3), None)
     assert (mix["fast_vs_anchor"], mix["store_vs_anchor"]) == (1.5, 1.4)

@@ -3,6 +3,7 @@
 batch reader and the device prefetcher hand out exactly the planned batches and surface errors,
 and the schema rejects unknown unroll / compile choices. GPU figures: BENCHMARKS.md (issue 9)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,13 @@ def test_make_loader_without_pinning_is_a_dataloader_over_the_same_plan(world): 
     expected = [b for _, b in zip(range(4), (b for _, b in stream.iterate(0)))]
     got = [b for _, b in zip(range(4), make_loader(store, stream, 0, 40, num_workers=0, pin_memory=False))]
     assert [b["ids"] for b in got] == [[store.ids[i] for i in idx] for idx in expected]
+
+
+def test_training_prefers_expandable_cuda_segments_unless_the_environment_chose(monkeypatch):
+    from train.engine import ALLOC_CONF, prefer_expandable_segments
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    prefer_expandable_segments()
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(ALLOC_CONF, "max_split_size_mb:512")
+    prefer_expandable_segments()
+    assert os.environ[ALLOC_CONF] == "max_split_size_mb:512"

@@ -7,6 +7,7 @@ objective (eagle3/) know nothing of it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -15,6 +16,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from train.schedule import resolve_warmup, warmup_cosine
 
 log = logging.getLogger(__name__)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def prefer_expandable_segments() -> None:
+    """CUDA memory grows in expandable segments (unless the environment already configures the
+    allocator): long sequences' step then reserves little more than it allocates (measured on an H200 at
+    T = 32768: 83.5 GiB reserved for 81.5 allocated, 88.8 GiB with the default segments; BENCHMARKS.md).
+    Read when the CUDA allocator starts: call before the first CUDA allocation."""
+    os.environ.setdefault(ALLOC_CONF, "expandable_segments:True")
 
 
 def mixed_precision(config) -> str:

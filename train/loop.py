@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3.conf import as_plain_dict
 from eagle3.manifest import MANIFEST, read_manifest
-from train.engine import make_accelerator, uses_fsdp
+from train.engine import make_accelerator, prefer_expandable_segments, uses_fsdp
 from train.inputs import open_inputs
 from train.trainer import FINAL, Trainer, init_fingerprint
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 def run_train(config) -> Path:
     out = Path(config.out_dir)
+    prefer_expandable_segments()  # before anything touches CUDA
     accelerator = make_accelerator(config)
     main = accelerator.is_main_process
     if config.fsdp and not uses_fsdp(accelerator) and main:
