@@ -160,6 +160,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def train_step(objective, rows, batch, optimizer, params, amp) -> torch.Tensor:
+    """One training step as the trainer's (forward + loss, backward, clip at 0.5, optimizer), no syncs; the loss."""
+    with amp:
+        out = objective(batch, rows)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out.loss.detach()
+
+
 def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool, iters: int, warmup: int) -> dict:
     """Median phase and step times of `iters` steps after `warmup`, each step as train/trainer.py runs it:
     forward + loss, backward, clip, one host sync (the trainer's non-finite check), optimizer; the
@@ -333,12 +344,7 @@ def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir:
         t0 = time.perf_counter()
         host, batch = next(loader)
         t1 = time.perf_counter()
-        with amp:
-            out = objective(batch, rows)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(objective, rows, batch, optimizer, params, amp)
         sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # (bench_train_step.train_step, with a mark after the forward)
 
     step(False)
     torch.cuda.synchronize()

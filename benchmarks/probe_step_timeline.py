@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_train_step import K2, TINY, build, kernel_table, make_batch  # noqa: E402
+from bench_train_step import K2, TINY, build, kernel_table, make_batch, train_step  # noqa: E402
 
 
 def gpu_intervals(events: list[dict]) -> list[tuple[float, float, str, int]]:
@@ -89,13 +89,7 @@ def main(argv=None) -> None:
 
     def step():
         with torch.profiler.record_function("## step"):
-            with amp:
-                out = objective(batch, rows)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return out.loss.detach()
+            return train_step(objective, rows, batch, opt, params, amp)
 
     for _ in range(2):
         step()
