@@ -438,6 +438,36 @@ def test_fast_unroll_with_more_steps_than_positions_matches_reference():
         assert relative_max_error(fast_grads[name], want) < 1e-5, name
 
 
+def test_fast_unroll_without_grad_mode_gives_the_same_loss_and_no_gradients():
+    """Validation runs the fast unroll under no_grad: same loss / accuracy, no weight-gradient sums, no .grad."""
+    model, batch, rows = unroll_case()
+    args = unroll_args(model, batch, rows)
+    with_grad, _ = loss_and_grads(ttt_unroll_fast, args, 7)
+    with torch.no_grad():
+        plain = ttt_unroll_fast(*args, 7)
+    assert not plain.loss.requires_grad
+    torch.testing.assert_close(plain.loss, with_grad.loss.detach(), rtol=1e-6, atol=1e-7)
+    assert plain.correct.tolist() == with_grad.correct.tolist()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fast_unroll_gradients_accumulate_over_two_batches_like_the_reference():
+    """Two unrolls before one optimizer step (gradient accumulation): each hands its fp32 sums to the
+    parameters, which add them, as autograd's own gradients would be."""
+    model, batch, rows = unroll_case()
+    args = unroll_args(model, batch, rows)
+    for unroll in (ttt_unroll, ttt_unroll_fast):
+        model.zero_grad(set_to_none=True)
+        for scale in (1.0, 0.5):
+            (scale * unroll(*args, 7).loss).backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        if unroll is ttt_unroll:
+            want = got
+    model.zero_grad(set_to_none=True)
+    for name, g in want.items():
+        assert relative_max_error(got[name], g) < 1e-5, name
+
+
 def test_compiled_pieces_mark_exactly_the_sizes_that_vary(monkeypatch):
     """fast_kernels.VARYING_DIMS: across two batches of different lengths and the 7 steps, every
     (argument, dim) it marks takes more than one size, and every other dim of every tensor
