@@ -64,16 +64,18 @@ def listed_aux_ids(config: dict) -> Optional[list[int]]:
     return None if ids is None else aux_layers.as_int_list(ids, "eagle_aux_hidden_state_layer_ids")
 
 
-def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE) -> DrafterConfig:
+def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE,
+                        report_aux: bool = True) -> DrafterConfig:
     """The drafter's config, its aux layer ids read as hidden-state indices by `id_rule`; a config whose
-    ids the SGLang versions read differently is reported on the console with every reading."""
+    ids the SGLang versions read differently is reported on the console with every reading (report_aux
+    False: by the caller, which says it its own way, e.g. `make check`)."""
     d = read_config_dict(drafter_dir)
     try:
         ids = listed_aux_ids(d)
         cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
     except (ValueError, TypeError) as e:
         raise DrafterLoadError(f"{Path(drafter_dir) / CONFIG}: {e}") from e
-    note = aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}")
+    note = aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}") if report_aux else None
     if note:
         log.warning(note)
     if cfg.unknown_keys:  # eagle3/drafter_keys.py lists every key an engine reads; these are none of them
@@ -120,13 +122,13 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.export_state_dict().items()}
 
 
-def inspect_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE
+def inspect_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE, report_aux: bool = True
                         ) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], dict, list[str]]:
     """Read config and tensor shapes (headers only, no weights). Returns (cfg, shapes by canonical
     name, {canonical name: (stored name, file)}, problems) where problems are the strict-key
     failures: missing, unexpected, mis-shaped."""
     drafter_dir = Path(drafter_dir)
-    cfg = read_drafter_config(drafter_dir, id_rule)
+    cfg = read_drafter_config(drafter_dir, id_rule, report_aux)
     files = _weight_files(drafter_dir)
     want = expected_shapes(cfg)
     # Some exporters prefix every name with `model.`; accept that form when it is consistent.
@@ -346,13 +348,14 @@ def assert_compatible(drafter_cfg: DrafterConfig, target_text_config: dict,
 
 
 def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
-                      hf_indices_captured: Optional[list[int]] = None, id_rule: str = aux_layers.DEFAULT_RULE
-                      ) -> tuple[Optional[DrafterConfig], list[Mismatch]]:
+                      hf_indices_captured: Optional[list[int]] = None, id_rule: str = aux_layers.DEFAULT_RULE,
+                      report_aux: bool = True) -> tuple[Optional[DrafterConfig], list[Mismatch]]:
     """The full check of a drafter directory (config, weight names/shapes, mapping) against a target,
     reading only headers and the small d2t/t2d tensors. A config that cannot be read is one fatal
-    mismatch (cfg None). `id_rule` reads the config's aux layer ids (aux_layers.RULES)."""
+    mismatch (cfg None). `id_rule` reads the config's aux layer ids (aux_layers.RULES); report_aux:
+    see read_drafter_config."""
     try:
-        cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule)
+        cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule, report_aux)
     except DrafterLoadError as e:
         return None, [Mismatch("config", str(e), "point at a drafter directory (config.json + model.safetensors)")]
     out = [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes") for p in problems]

@@ -77,7 +77,9 @@ def run_check(config: CheckConfig) -> CheckResult:
     t = config.target
     text = target_io.read_text_config(t.path, t.layout)  # a missing/odd target raises TargetError
     captured, capture_note = captured_hf_indices(config.capture_dir)
-    cfg, mismatches = check_drafter_dir(config.drafter_dir, text, captured, id_rule=config.aux_id_rule)
+    # the ids' readings are reported once, by aux_layer_lines below (not also as read_drafter_config's log warning)
+    cfg, mismatches = check_drafter_dir(config.drafter_dir, text, captured, id_rule=config.aux_id_rule,
+                                        report_aux=False)
     info = [f"target: {t.layout}, {text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
             f"vocab {text['vocab_size']}, context {text['max_position_embeddings']}", capture_note]
     if cfg is not None:
