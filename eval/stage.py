@@ -85,7 +85,7 @@ def best_setting(report: dict, knobs: list[SpecKnobs]) -> Optional[dict]:
             "wins": pred["wins"], "verdict": pred["verdict"]}
 
 
-def _prompts_from_store(store, n: int) -> list[torch.Tensor]:
+def prompts_from_store(store, n: int) -> list[torch.Tensor]:
     """The text before each validation sequence's first assistant token (what a user would send)."""
     out = []
     for i in range(len(store)):
@@ -169,7 +169,7 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
     report["best"] = best_setting(report, knobs)
 
     if cfg.real_loop.enabled and cfg.real_loop.num_prompts > 0:
-        prompts = _prompts_from_store(store, cfg.real_loop.num_prompts)
+        prompts = prompts_from_store(store, cfg.real_loop.num_prompts)
         if prompts:
             target, _ = load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype, cfg.target.device_map,
                                     cfg.target.trust_remote_code)

@@ -135,7 +135,7 @@ class RealCheck:
 
     def __init__(self, eval_cfg, device: str, conf):
         from eagle3.target_io import load_target, read_text_config
-        from eval.stage import _prompts_from_store
+        from eval.stage import prompts_from_store
 
         self.conf = conf
         t = eval_cfg.target
@@ -145,7 +145,7 @@ class RealCheck:
         self.eos = read_text_config(t.path, t.layout).get("eos_token_id")
         from eagle3.store import HiddenStateStore
 
-        self.prompts = _prompts_from_store(HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split),
+        self.prompts = prompts_from_store(HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split),
                                            conf.num_prompts)
 
     def __call__(self, drafter) -> dict:
