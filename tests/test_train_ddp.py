@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path):
-    common = dict(max_steps=6, epochs="null", checkpoint_every=3)
+@pytest.mark.parametrize("unroll", ["auto", "fast"])  # fast: weight gradients handed over by eagle3/wgrad.py's node
+def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, unroll):
+    common = dict(max_steps=6, epochs="null", checkpoint_every=3, unroll=unroll)
     one = tmp_path / "one"
     run_train(config_for(world, one, "scratch", grad_accum=2, **common))
 
