@@ -2,24 +2,25 @@
 
 Every TTT step uses the same drafter weights, so each weight's gradient is a sum over the 7 steps.
 Left to autograd, each step's weight-gradient GEMM writes a bf16 tensor, autograd adds the steps'
-tensors in bf16 (six adds over ~0.9 G elements at Kimi-K2 size: ~14 ms on an H200, with a bf16
-rounding per add), then the backward of the fp32 -> bf16 weight cast converts the sum to fp32.
+tensors in bf16 (six adds over ~0.9 G elements at Kimi-K2 size: 13.6 ms on an H200 at T=8192, each
+add rounding to bf16), then the backward of the fp32 -> bf16 weight cast converts the sum to fp32.
 Here one fp32 buffer per weight takes every step's `dY^T X` through a GEMM with beta = 1 (cuBLAS
-reads the buffer and adds in fp32; no separate add kernel, one rounding per step instead of two),
-and the buffers become the parameters' gradients through one autograd node (`shared_weights`),
-so accelerate / DDP gradient hooks and `AccumulateGrad` see an ordinary gradient.
+reads the buffer and adds in fp32: no separate add kernel, no bf16 rounding of a step's gradient
+or of the sum), and the buffers become the parameters' gradients through one autograd node
+(`shared_weights`), so accelerate / DDP gradient hooks and `AccumulateGrad` see an ordinary gradient.
 
     grads = WeightGrads()
-    w = shared_weights(grads, {"o": o_proj.weight, ...}, torch.bfloat16)   # compute-dtype copies
-    y = linear(grads, "o", x, w["o"])          # y = x @ W^T; backward adds dY^T x into grads["o"]
+    w = shared_weights(grads, {"o": [(o_proj.weight, ALL, ALL)], ...}, torch.bfloat16)  # compute-dtype copies
+    y = linear(grads, "o", x, w["o"])          # y = x @ W^T; backward adds dY^T x into grads' "o" sum
     ...                                          # (any number of uses of w["o"])
     loss.backward()                              # o_proj.weight.grad == the fp32 sum over all uses
 
 How it orders itself: `linear` takes the compute-dtype copy as an input and returns no gradient
 for it, so autograd runs `shared_weights`' backward only after every use's backward has run
 (dependencies count edges, not defined gradients); that backward hands the sums to the parameters.
-A weight may also be split (a slice of a parameter: `parts`) or its sum may be filled in the
-forward pass with a deferred upstream factor (eagle3/fused_ce.py: `add` + `upstream`).
+A weight may be built from pieces of parameters (row blocks, column slices: q/k/v's hidden half),
+and a sum may be filled in the forward pass with a deferred upstream factor (eagle3/fused_ce.py:
+`WeightGrads.add` in the forward, `set_upstream` in the backward).
 
 Imports only torch (core code).
 """

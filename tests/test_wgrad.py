@@ -164,3 +164,16 @@ def test_diagonal_keys_release_only_tensors_that_own_their_storage():
     keys.append(k2, v2, release=True)
     assert big.untyped_storage().nbytes() > 0
     torch.testing.assert_close(keys.keys[1], big[0])
+
+
+def test_pieces_that_are_row_blocks_are_put_back_in_place():
+    """A copy made of a parameter's row blocks in another order (neither whole nor column slices): each
+    block's gradient lands on its own rows."""
+    q, _, _ = _params()
+    x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    plain = (F.linear(x, torch.cat([q[3:], q[:3]])) ** 2).sum()
+    want = torch.autograd.grad(plain, q)[0]
+    grads = WeightGrads()
+    w = shared_weights(grads, {"swapped": [(q, slice(3, None), ALL), (q, slice(None, 3), ALL)]}, torch.float64)
+    got = torch.autograd.grad((linear(grads, "swapped", x, w["swapped"]) ** 2).sum(), q)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
