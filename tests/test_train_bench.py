@@ -100,3 +100,30 @@ def test_profile_kernel_categories():
     assert bench.kernel_kind("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>") == "attention"
     assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
     assert bench.kernel_kind("some_new_kernel") == "other"
+
+
+def load_probe(name: str):
+    import sys
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # the probes import bench_train_step by name
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
+def test_timeline_probe_counts_busy_time_once_and_finds_the_gaps():
+    """Overlapping kernels (two streams) count once; gaps between them and at the ends are reported."""
+    probe = load_probe("probe_step_timeline")
+    iv = [(10.0, 20.0, "a", 1), (15.0, 25.0, "b", 2), (40.0, 50.0, "c", 3)]
+    busy, gaps = probe.idle_gaps(iv, 0.0, 60.0, min_us=1.0)
+    assert busy == 25.0
+    assert [(g0, g) for g0, g, _, _ in gaps] == [(0.0, 10.0), (25.0, 15.0), (50.0, 10.0)]
+    assert gaps[1][2][2] == "b" and gaps[1][3][2] == "c"
+
+
+def test_memory_probe_replays_the_allocator_to_its_peak():
+    probe = load_probe("probe_step_memory")
+    trace = [{"action": "alloc", "addr": 1, "size": 10}, {"action": "alloc", "addr": 2, "size": 5},
+             {"action": "free_requested", "addr": 1, "size": 10}, {"action": "alloc", "addr": 3, "size": 8}]
+    peak, at, live = probe.live_at_peak(trace)
+    assert (peak, at, sorted(live)) == (15, 1, [1, 2])
