@@ -56,7 +56,7 @@ class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_raw, grad_top):
         (dx,) = ctx.saved_tensors
-        c = grad_loss if grad_loss is not None else torch.zeros((), dtype=dx.dtype, device=dx.device)
+        c = grad_loss  # never None: autograd materialises an unused output's gradient as zeros
         if ctx.own:
             dw = ctx.grads.take(ctx.name)
             dw = None if dw is None else (dw * c.to(dw.dtype)).to(ctx.weight_dtype)

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 ALL = slice(None)  # a whole dimension, in a `shared_weights` piece
 
 
-def _gemm_accumulate_supported(acc: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether `torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)` runs here: CUDA, bf16/fp16 operands, fp32 acc."""
-    return acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32
+def _fp32_out_gemm(a: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    """Whether a GEMM of these operands writes fp32 directly (`out_dtype=torch.float32`: CUDA only): CUDA,
+    bf16/fp16 operands, an fp32 sum."""
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32
 
 
 def matmul_accumulate(acc: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
@@ -46,13 +47,13 @@ def matmul_accumulate(acc: Optional[torch.Tensor], a: torch.Tensor, b: torch.Ten
     writing acc in place (the products are exact in fp32, the sum is fp32); elsewhere (CPU tests,
     fp32/fp64 weights) a matmul in acc_dtype and an in-place add."""
     if acc is None:
-        if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
+        if _fp32_out_gemm(a, acc_dtype):
             return torch.mm(a, b, out_dtype=torch.float32)
         return (a.to(acc_dtype) @ b.to(acc_dtype)) if a.dtype != acc_dtype else a @ b
     if acc.dtype != acc_dtype or acc.shape != (a.shape[0], b.shape[1]):
         raise ValueError(f"matmul_accumulate: buffer {tuple(acc.shape)} {acc.dtype} does not take a "
                          f"{tuple(a.shape)} @ {tuple(b.shape)} product in {acc_dtype}")
-    if _gemm_accumulate_supported(acc, a):
+    if _fp32_out_gemm(a, acc_dtype):
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
