@@ -1,7 +1,8 @@
 """Time one TTT training step of the drafter, the way train/loop.py runs it (without accelerate):
 the real objective (eagle3.unroll.TTTObjective: TTT unroll, fp32 teacher from the draft-vocab rows
 of the target head, soft CE, 0.8^k weights), fp32 master weights under bf16 autocast on CUDA,
-frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5.
+frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5 (folded into the fused
+AdamW step as the trainer does it: train/engine.clip_gradients).
 
 Defaults are the Kimi-K2 / K2.5 drafter (issue 9): hidden 7168, 64 x 128 heads (64 KV heads),
 MLP 18432, draft vocab 32000, target vocab 163840, TTT 7, batch 1, random weights and inputs
@@ -17,7 +18,7 @@ chosen dims) and peak allocated / reserved memory.
         # + SpecForge 0.2.0's own step (bench_specforge_anchor.py) at every (T, loss share) timed, in the same
         # process right after this project's, and the tokens/s ratios per (T, share) (issue 22)
 
-Imports only torch and eagle3 core modules (runs on the GPU image without hydra/wandb/accelerate).
+Imports only torch, eagle3 core modules and train/engine.py (runs on the GPU image without hydra/wandb/accelerate).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.ttt_flash import resolve_attention_kernel  # noqa: E402
 from eagle3.unroll import TTTObjective  # noqa: E402
+from train.engine import clip_gradients, optimizer_step  # noqa: E402
 
 K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=256, vocab=1024)
@@ -87,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="cap this process's GPU memory at this many GB (1e9 bytes; e.g. 96 for an RTX PRO 6000): "
                         "a step that needs more fails with out-of-memory instead of using the H200's 141 GB")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the in-memory rows (every impl x T) this many times, alternating impls (A/B on a "
+                        "noisy machine: compare within a round)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -166,8 +171,8 @@ def train_step(objective, rows, batch, optimizer, params, amp) -> torch.Tensor:
     with amp:
         out = objective(batch, rows)
     out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 0.5)
-    optimizer.step()
+    clip_gradients(None, optimizer, params, 0.5, fsdp=False)
+    optimizer_step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return out.loss.detach()
 
@@ -193,13 +198,13 @@ def bench_one(objective, rows, batch, optimizer, params, device, autocast: bool,
         if cuda:
             events[1].record()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        clip_gradients(None, optimizer, params, 0.5, fsdp=False)
         if cuda:
             events[2].record()
         if not torch.isfinite(loss):  # the host sync the trainer makes here
             raise RuntimeError(f"non-finite loss {float(loss)} in the benchmark step")
         t2 = time.perf_counter()
-        optimizer.step()
+        optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         t3 = time.perf_counter()
@@ -535,10 +540,11 @@ def main(argv=None) -> list[dict]:
     results = []
     print(f"{'impl':>10} {'T':>6} {'share':>5} {'step s':>8} {'fwd+loss':>9} {'bwd':>8} {'optim':>8} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>10} {'resv GiB':>9}")
-    for impl in [x for x in args.impls.split(",") if x]:
-        use_impl(ctx["objective"], impl, args.attention_kernel)
-        for T in args.seq_lens:
-            results.append(time_row(ctx, impl, T, args.mask_frac))
+    for rnd in range(args.rounds):
+        for impl in [x for x in args.impls.split(",") if x]:
+            use_impl(ctx["objective"], impl, args.attention_kernel)
+            for T in args.seq_lens:
+                results.append(dict(time_row(ctx, impl, T, args.mask_frac), round=rnd))
     speedups = {}
     for row in results:
         if row.get("impl") == "fast" and "tokens_per_s" in row:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.fused_ce import scaled_linear_soft_cross_entropy
-from eagle3.loss import loss_positions, step_weights
+from eagle3.loss import all_loss_positions, step_weights
 from eagle3.fast_kernels import kernel
 from eagle3.model import check_aux_width, rope_cos_sin, rope_inv_freq
 from eagle3.ttt import TTTCache
@@ -207,15 +207,18 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     weights = step_weights(K, step_decay).to(device)
 
     with torch.no_grad():
-        masks = torch.stack([loss_positions(loss_mask, target_argmax, t2d, step=k) for k in range(K)])  # [K,B,T]
-        count = masks.sum(dim=(1, 2)).to(torch.float32)
-        # every step's loss rows (b * T + t) with one host sync here, so that the loop below queues
-        # the whole forward without waiting for the GPU (a nonzero per step would idle it 7 times)
-        k_b_t = masks.nonzero()
-        step_rows = (k_b_t[:, 1] * T + k_b_t[:, 2]).split(count.long().tolist())
+        masks = all_loss_positions(loss_mask, target_argmax, t2d, K)  # [K+1,B,T]: teacher rows, then steps 0..K-1
+        counts = masks.sum(dim=(1, 2))
+        # the teacher rows and every step's loss rows (b * T + t) with two host syncs here (the id check,
+        # the nonzero; the counts' copy then finds the GPU idle), so that the loop below queues the
+        # whole forward without waiting for the GPU (a nonzero per step would idle it 7 times)
+        j_b_t = masks.nonzero()
+        teacher_rows, *step_rows = (j_b_t[:, 1] * T + j_b_t[:, 2]).split(counts.tolist())
+        count = counts[1:].to(torch.float32)
         denom = count if step_denominators is None else step_denominators.to(device=device, dtype=torch.float32)
         scales = weights / denom.clamp(min=1)
-        teacher_p, row_of = teacher_probs(last, lm_head_rows, loss_mask, target_argmax, t2d)  # fp32 [M, V], [B*T]
+        teacher_p, row_of = teacher_probs(last, lm_head_rows, loss_mask, target_argmax, t2d,
+                                          flat=teacher_rows)  # fp32 [M, V], [B*T]
         argmax_flat = target_argmax.reshape(-1).long()
         # x_{t+k+1} for k = 0..K-1 at t = 0..T-1 as one strip of T + K - 1 ids (0 past the end).
         ids_strip = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, K)], dim=1)  # [B, T+K-1]

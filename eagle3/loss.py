@@ -125,6 +125,15 @@ def loss_positions(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: to
     return predicted_is_assistant & teacher_top_in_vocab
 
 
+def all_loss_positions(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor,
+                       steps: int) -> torch.Tensor:
+    """`loss_positions` of step -1 (the teacher positions) and of steps 0..steps-1 at once, Bool
+    [steps + 1, B, T] (index j is step j - 1), with one id check (one host sync) for all of them:
+    step k's mask is step -1's shifted left by k + 1."""
+    teacher = loss_positions(loss_mask, target_argmax, t2d, step=-1)
+    return torch.stack([teacher] + [shift_left(teacher, k + 1, False) for k in range(steps)])
+
+
 def step_weights(n: int, decay: float = 0.8) -> torch.Tensor:
     """Loss weights of TTT steps 0..n-1: decay^k (fp32 [n])."""
     return torch.tensor([decay ** k for k in range(n)], dtype=torch.float32)

@@ -8,6 +8,8 @@ Imports only torch (core code).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +49,15 @@ def check_unroll_inputs(name: str, aux, input_ids, last, target_argmax, loss_mas
 
 @torch.no_grad()
 def teacher_probs(last: torch.Tensor, lm_head_rows: torch.Tensor, loss_mask: torch.Tensor,
-                  target_argmax: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  target_argmax: torch.Tensor, t2d: torch.Tensor,
+                  flat: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher distribution where any TTT step needs it: positions s = t+k+1 with
     loss_mask[s+1] & t2d[argmax_s] (the step "-1" mask), computed once, M rows instead of B*T.
+    flat: those positions (b * T + s, Long [M], ascending) when the caller already has them.
     Returns (fp32 [M, draft_V] probabilities, Long [B*T] row of each flat position, -1 where none)."""
     B, T = loss_mask.shape
-    flat = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1).nonzero().squeeze(1)  # [M]
+    if flat is None:
+        flat = loss_positions(loss_mask, target_argmax, t2d, step=-1).reshape(-1).nonzero().squeeze(1)  # [M]
     probs = torch.softmax(teacher_logits(last.reshape(B * T, -1)[flat], lm_head_rows), dim=-1)
     row_of = torch.full((B * T,), -1, dtype=torch.long, device=loss_mask.device)
     row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)

@@ -238,6 +238,19 @@ def _assemble(parts: list[tuple[slice, slice, torch.Tensor]], shape: torch.Size,
     return out
 
 
+def _cast_rows(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The row-concatenation of 2-D pieces in `dtype`, each piece read once and written once (a cast
+    then a cat would write every piece twice)."""
+    if len(pieces) == 1:
+        return pieces[0].to(dtype)
+    out = torch.empty(sum(p.shape[0] for p in pieces), pieces[0].shape[1], dtype=dtype, device=pieces[0].device)
+    at = 0
+    for p in pieces:
+        out[at:at + p.shape[0]].copy_(p)
+        at += p.shape[0]
+    return out
+
+
 class _SharedWeights(torch.autograd.Function):
     """params (fp32 masters) -> compute-dtype copies; backward: the WeightGrads sums as their gradients."""
 
@@ -246,11 +259,7 @@ class _SharedWeights(torch.autograd.Function):
         ctx.grads, ctx.layout = grads, layout
         ctx.set_materialize_grads(False)  # a use that returns no gradient must not cost a zero tensor
         ctx.param_meta = [(p.shape, p.dtype) for p in params]
-        outs = []
-        for _, pieces in layout:
-            outs.append(torch.cat([params[i][rows, cols].to(dtype) for i, rows, cols in pieces])
-                        if len(pieces) > 1 else params[pieces[0][0]][pieces[0][1], pieces[0][2]].to(dtype))
-        return tuple(outs)
+        return tuple(_cast_rows([params[i][rows, cols] for i, rows, cols in pieces], dtype) for _, pieces in layout)
 
     @staticmethod
     def backward(ctx, *out_grads):

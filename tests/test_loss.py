@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from eagle3.loss import (draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
+from eagle3.loss import (all_loss_positions, draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
                          teacher_logits)
 from eagle3.vocab_map import ids_from_d2t
 
@@ -74,6 +74,20 @@ def test_loss_positions_follow_the_ttt_indexing():
     # by hand, step 0: t=0 -> lm[2]=1 & t2d[2] -> T; t=1 -> lm[3] & t2d[1]=F; t=2 -> lm[4] & t2d[0] -> T;
     # t=3 -> lm[5] & t2d[2] -> T; t=4,5 past the end
     assert loss_positions(loss_mask, argmax, t2d)[0].tolist() == [True, False, True, True, False, False]
+
+
+def test_all_loss_positions_are_every_steps_positions_from_one_check():
+    g = torch.Generator().manual_seed(4)
+    t2d = torch.rand(50, generator=g) < 0.6
+    loss_mask = torch.rand(3, 11, generator=g) < 0.7
+    argmax = torch.randint(0, 50, (3, 11), generator=g)
+    got = all_loss_positions(loss_mask, argmax, t2d, 7)
+    assert got.shape == (8, 3, 11) and got.dtype == torch.bool
+    for j in range(8):
+        assert torch.equal(got[j], loss_positions(loss_mask, argmax, t2d, step=j - 1)), j
+    assert got[1:].any() and not got[1:].all()
+    with pytest.raises(ValueError, match="t2d covers 50"):
+        all_loss_positions(loss_mask, argmax + 50, t2d, 7)
 
 
 def test_loss_positions_reject_ids_outside_t2d():

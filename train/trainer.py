@@ -34,8 +34,8 @@ from eagle3.manifest import MANIFEST, sha256_file, write_manifest
 from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
 from train.data import BatchStream, make_loader
-from train.engine import (full_model_state, full_optimizer_state, load_optimizer_state, make_optimizer,
-                          make_scheduler, mixed_precision, uses_fsdp)
+from train.engine import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
+                          make_optimizer, make_scheduler, mixed_precision, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError
 from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
@@ -196,7 +196,8 @@ class Trainer:
                 acc.backward(res.loss * scale)
             losses.append(res.loss.detach())
             self.stats.add_micro(res, host)
-        grad_norm = acc.clip_grad_norm_(self.params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else \
+        grad_norm = clip_gradients(acc, self.optimizer, self.params, cfg.optim.grad_clip, self.fsdp) \
+            if cfg.optim.grad_clip > 0 else \
             torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
         # One small all-reduce per step: any rank non-finite, and the step's real tokens over all ranks.
         bad = (~torch.isfinite(torch.stack(losses).sum() + grad_norm)).float()
@@ -205,7 +206,7 @@ class Trainer:
         if bool(flags[0] > 0):
             self._drop_update(_nonfinite_report(c.step + 1, hosts, losses, grad_norm))
             return False
-        self.optimizer.step()
+        optimizer_step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         c.step += 1
