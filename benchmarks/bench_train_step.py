@@ -60,8 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=790.0, help="for the MFU column (H200 bf16 dense)")
     p.add_argument("--impls", default="fast,reference",
                    help="objective implementations to time, comma-separated (eagle3.unroll.TTTObjective impl); "
-                        "fast-flash / fast-cudnn = the fast path with that attention kernel (fast = --attention-kernel); "
-                        "fast-nostack = without the stacked weight-gradient GEMMs")
+                        "fast-flash / fast-cudnn = the fast path with that attention kernel (fast = --attention-kernel)")
     p.add_argument("--attention-kernel", default="auto", help="the fast path's attention kernel: auto | flash | cudnn")
     p.add_argument("--compile", action="store_true", help="fast path with torch.compile'd memory-bound pieces")
     p.add_argument("--check-seq-len", type=int, default=1024,
@@ -362,12 +361,10 @@ def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir:
 
 
 def use_impl(objective, name: str, default_kernel: str) -> None:
-    """Point the objective at impl `name`: fast | reference | fast-<attention kernel> | fast-nostack (the
-    fast path with one weight-gradient GEMM per use: eagle3/fast_unroll.py WGRAD_STACK_ROWS = 0)."""
-    impl, _, variant = name.partition("-")
+    """Point the objective at impl `name`: fast | reference | fast-<attention kernel>."""
+    impl, _, kernel_name = name.partition("-")
     objective.impl = impl
-    objective.wgrad_stack_rows = 0 if variant == "nostack" else None
-    objective.attention_kernel = default_kernel if variant in ("", "nostack") else variant
+    objective.attention_kernel = kernel_name or default_kernel
 
 
 def time_row(ctx: dict, impl: str, T: int, share: float) -> dict:

@@ -77,14 +77,11 @@ def main(argv=None) -> None:
     p.add_argument("--gaps", type=int, default=25, help="how many of the largest gaps to list")
     p.add_argument("--tiny", action="store_true", help="small dims (CPU smoke run: no GPU timeline)")
     p.add_argument("--trace", default=None, help="also write the chrome trace here (.json.gz)")
-    p.add_argument("--wgrad-stack-rows", type=int, default=None,
-                   help="the fast unroll's weight-gradient stacking budget (0 = one GEMM per use; default: its own)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dims = TINY if args.tiny else K2
     objective, rows, draft_ids = build(dims, 7, device, bf16=device.type == "cuda")
     objective.compile = device.type == "cuda"
-    objective.wgrad_stack_rows = args.wgrad_stack_rows
     params = [q for q in objective.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     batch = make_batch(dims, 1, args.seq_len, draft_ids, device, mask_frac=args.share)

@@ -143,29 +143,6 @@ def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch
     return loss, g.to(logits.dtype), lf.argmax(dim=-1)
 
 
-# The same functions writing their (main) result into a given buffer: a row block of the
-# weight-gradient stacks (eagle3/wgrad.py), so the stacked GEMM's operands cost no extra copy
-# (compiled, the store is part of the fused kernel).
-def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(rms_norm(x, weight, eps, out.dtype).reshape(out.shape))
-
-
-def swiglu_into(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(swiglu(gate_up).reshape(out.shape))
-
-
-def swiglu_backward_into(gate_up: torch.Tensor, d_act: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(swiglu_backward(gate_up, d_act).reshape(out.shape))
-
-
-def soft_ce_chunk_into(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor,
-                       g_out: torch.Tensor):
-    """soft_ce_chunk with its gradient written into g_out: (summed soft CE, argmax)."""
-    loss, g, top = soft_ce_chunk(logits, teacher_probs, rows, scale)
-    g_out.copy_(g)
-    return loss, top
-
-
 _FUNCTIONS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rope_qkv": rope_qkv,
@@ -176,10 +153,6 @@ _FUNCTIONS: dict[str, Callable] = {
     "diagonal_merge_forward": diagonal_merge_forward,
     "diagonal_merge_backward": diagonal_merge_backward,
     "soft_ce_chunk": soft_ce_chunk,
-    "rms_norm_into": rms_norm_into,
-    "swiglu_into": swiglu_into,
-    "swiglu_backward_into": swiglu_backward_into,
-    "soft_ce_chunk_into": soft_ce_chunk_into,
 }
 # The (argument, dim) of each function's tensors that change from call to call: T (positions; the
 # diagonal steps' [S,B,T,h,d] buffers have T at dim 2), N (loss rows of a chunk), S (diagonal steps
@@ -196,10 +169,6 @@ VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
     "diagonal_merge_forward": ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2), (4, 0), (4, 2)),
     "diagonal_merge_backward": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 0), (5, 2), (6, 0), (6, 2)),
     "soft_ce_chunk": ((0, 0), (1, 0), (2, 0)),
-    "rms_norm_into": ((0, 1), (3, 0)),
-    "swiglu_into": ((0, 1), (1, 0)),
-    "swiglu_backward_into": ((0, 1), (1, 1), (2, 0)),
-    "soft_ce_chunk_into": ((0, 0), (1, 0), (2, 0), (4, 0)),
 }
 _COMPILED: dict[str, Callable] = {}
 

@@ -69,44 +69,6 @@ def _shared_weights(model: nn.Module, grads: WeightGrads, dt: torch.dtype) -> di
     }, dt)
 
 
-# The most rows of one weight's uses gathered for one weight-gradient GEMM: all 7 TTT steps of a
-# 4096-token batch. Extra memory while a group fills: its rows of dY and X (at Kimi-K2 size ~9 GB for
-# the four stacked weights at this budget); at T >= 32768 nothing is stacked (one use fills it).
-WGRAD_STACK_ROWS = 32768
-
-
-def _stack_weight_grads(grads: WeightGrads, w: dict[str, torch.Tensor], rows: int, K: int, loss_rows: list[int],
-                        ce_chunk_rows: int, stack_rows: int) -> None:
-    """Declare the uses of the weights whose gradient operands are gathered (eagle3/wgrad.py): the
-    hidden half of q/k/v, gate/up and down (K uses of `rows` rows each, in the backward) and lm_head
-    (one use per loss chunk per step, in the forward). copied_cols: the operand columns that are
-    copied in (q/k/v's dY comes from the rope backward; down's dY from autograd; lm_head's X is the
-    loss rows' norm); everything else is written into the stacks by the kernels that produce it."""
-    def chunks(n: int) -> list[int]:
-        return [min(ce_chunk_rows, n - s) for s in range(0, n, ce_chunk_rows)] or [0]
-
-    for name, uses, copied_cols in (("qkv_hidden", [rows] * K, w["qkv_hidden"].shape[0]),
-                                    ("gate_up", [rows] * K, 0),
-                                    ("down", [rows] * K, w["down"].shape[0]),
-                                    ("lm_head", [c for n in loss_rows for c in chunks(n)], w["lm_head"].shape[1])):
-        out_features, in_features = w[name].shape
-        grads.stack(name, uses, stack_rows, out_features, in_features, w[name].dtype, w[name].device, copied_cols)
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
-
-
-def _norm_operand(grads: WeightGrads, name: str, x, norm_weight, eps: float, dtype: torch.dtype,
-                  compiled: bool) -> torch.Tensor:
-    """rms_norm(x) recomputed as the X of `name`'s weight gradient: written straight into the next
-    stacked rows when `name` is stacked (eagle3/wgrad.py), else a new tensor."""
-    _, x_slot = grads.slot(name, _rows(x))
-    if x_slot is None:
-        return kernel("rms_norm", compiled)(x, norm_weight, eps, dtype)
-    return kernel("rms_norm_into", compiled)(x, norm_weight, eps, x_slot)
-
-
 class _NormLinear(torch.autograd.Function):
     """rms_norm(x) @ W^T with the norm recomputed in the backward: keeps x (which the step keeps
     anyway: the residual stream) instead of the normalised copy, H values per position and use less
@@ -121,9 +83,7 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, norm_weight, w = ctx.saved_tensors
-        xn = _norm_operand(ctx.grads, ctx.name, x, norm_weight, ctx.eps, w.dtype, ctx.compiled)
-        ctx.grads.add(ctx.name, dy, xn)
-        del xn
+        ctx.grads.add(ctx.name, dy, kernel("rms_norm", ctx.compiled)(x, norm_weight, ctx.eps, w.dtype))
         dx, d_norm = kernel("rms_norm_backward", ctx.compiled)(x, norm_weight, ctx.eps, dy @ w)
         return None, None, None, None, dx, d_norm, None
 
@@ -134,48 +94,22 @@ def _norm_linear(grads: WeightGrads, name: str, x: torch.Tensor, norm: nn.Module
     return _NormLinear.apply(grads, name, compiled, float(norm.eps), x, norm.weight, w)
 
 
-class _NormMLP(torch.autograd.Function):
-    """The MLP branch down(silu(gate) * up) of gate_up = rms_norm(x) @ W_gu^T, one autograd node.
-    Keeps x (the residual stream, kept anyway) and gate_up [.., 2I]; the backward recomputes the
-    norm and the SwiGLU product (not kept: at Kimi-K2 size 14 + 36 KB per position per TTT step,
-    11 GB at T = 32768) and writes the gate/up and down weight-gradient operands it produces
-    straight into their stacks (eagle3/wgrad.py) when those weights are stacked."""
+class _SwiGLUDown(torch.autograd.Function):
+    """down_proj(silu(gate) * up) from gate_up [B,T,2I]. Keeps only gate_up for the backward and
+    recomputes the [B,T,I] product there (one elementwise pass), which saves I values per position
+    and TTT step (at Kimi-K2 size 36 KB per position per step: 8 GB at T = 32768)."""
 
     @staticmethod
-    def forward(ctx, grads: WeightGrads, compiled: bool, eps: float, x, norm_weight, w_gate_up, w_down):
-        ctx.grads, ctx.compiled, ctx.eps = grads, compiled, eps
-        gate_up = F.linear(kernel("rms_norm", compiled)(x, norm_weight, eps, w_gate_up.dtype), w_gate_up)
-        ctx.save_for_backward(x, norm_weight, w_gate_up, w_down, gate_up)
+    def forward(ctx, grads: WeightGrads, compiled: bool, gate_up, w_down):
+        ctx.grads, ctx.compiled = grads, compiled
+        ctx.save_for_backward(gate_up, w_down)
         return F.linear(kernel("swiglu", compiled)(gate_up), w_down)
 
     @staticmethod
     def backward(ctx, dy):
-        x, norm_weight, w_gate_up, w_down, gate_up = ctx.saved_tensors
-        grads, compiled = ctx.grads, ctx.compiled
-        rows = _rows(x)
-        _, act_slot = grads.slot("down", rows)
-        act = kernel("swiglu", compiled)(gate_up) if act_slot is None else \
-            kernel("swiglu_into", compiled)(gate_up, act_slot)
-        grads.add("down", dy, act)
-        del act
-        d_act = dy @ w_down
-        gu_slot, _ = grads.slot("gate_up", rows)
-        d_gate_up = kernel("swiglu_backward", compiled)(gate_up, d_act) if gu_slot is None else \
-            kernel("swiglu_backward_into", compiled)(gate_up, d_act, gu_slot)
-        del d_act
-        xn = _norm_operand(grads, "gate_up", x, norm_weight, ctx.eps, w_gate_up.dtype, compiled)
-        grads.add("gate_up", d_gate_up, xn)
-        del xn
-        dx, d_norm = kernel("rms_norm_backward", compiled)(x, norm_weight, ctx.eps,
-                                                           d_gate_up.reshape(*x.shape[:-1], -1) @ w_gate_up)
-        return None, None, None, dx, d_norm, None, None
-
-
-def _norm_mlp(grads: WeightGrads, x: torch.Tensor, norm: nn.Module, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              compiled: bool) -> torch.Tensor:
-    """down(swiglu(norm(x) @ w_gate_up^T)): the drafter's post-attention norm + MLP; weights are
-    `shared_weights` copies whose gradients go to grads' "gate_up" / "down"."""
-    return _NormMLP.apply(grads, compiled, float(norm.eps), x, norm.weight, w_gate_up, w_down)
+        gate_up, w_down = ctx.saved_tensors
+        ctx.grads.add("down", dy, kernel("swiglu", ctx.compiled)(gate_up))
+        return None, None, kernel("swiglu_backward", ctx.compiled)(gate_up, dy @ w_down), None
 
 
 def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
@@ -185,13 +119,11 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                     position_ids: Optional[torch.Tensor] = None,
                     step_denominators: Optional[torch.Tensor] = None,
                     ce_chunk_rows: int = 8192, compiled: bool = False,
-                    attention_kernel: str = "auto", wgrad_stack_rows: int = WGRAD_STACK_ROWS) -> UnrollOutput:
+                    attention_kernel: str = "auto") -> UnrollOutput:
     """Same arguments and result as `eagle3.unroll.ttt_unroll` (see there). Right-padded batches
     only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).
     compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
-    attention_kernel: the causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py).
-    wgrad_stack_rows: the most rows of one weight's uses summed by one weight-gradient GEMM
-    (`_stack_weight_grads`; 0 = one GEMM per use)."""
+    attention_kernel: the causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py)."""
     B, T = input_ids.shape
     check_unroll_inputs("ttt_unroll_fast", aux, input_ids, last, target_argmax, loss_mask, ttt_length)
     if attention_mask is not None:
@@ -229,8 +161,6 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     check_aux_width(aux, model.fc)
     grads = WeightGrads()
     w = _shared_weights(model, grads, dt)
-    if torch.is_grad_enabled() and wgrad_stack_rows > 0:
-        _stack_weight_grads(grads, w, B * T, K, [int(r.numel()) for r in step_rows], ce_chunk_rows, wgrad_stack_rows)
     layer = model.midlayer
     hidden = linear(grads, "fc", aux.to(dt), w["fc"])                      # [B, T, H] (fc, in compute dtype)
     embeds = model.embed_tokens(ids_strip).to(hidden.dtype)
@@ -260,7 +190,8 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                 attn = causal_plus_diagonal_attention(q, k0, v0, diagonal, scale, compiled, kernel_name)
             del key, val
         h1 = hidden + linear(grads, "o", attn.reshape(B, T, -1), w["o"])
-        prenorm = h1 + _norm_mlp(grads, h1, layer.post_attention_layernorm, w["gate_up"], w["down"], compiled)
+        gate_up = _norm_linear(grads, "gate_up", h1, layer.post_attention_layernorm, w["gate_up"], compiled)
+        prenorm = h1 + _SwiGLUDown.apply(grads, compiled, gate_up, w["down"])
         flat = step_rows[k]
         src = flat + (k + 1)
         xn = final_norm(prenorm, flat, model.norm.weight, model.norm.eps, dt)  # [N, H]

@@ -34,19 +34,13 @@ class _LinearSoftCE(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         loss = torch.zeros((), dtype=acc, device=x.device)
         top = torch.empty(N, dtype=torch.long, device=x.device)
-        chunk, chunk_into = kernel("soft_ce_chunk", compiled), kernel("soft_ce_chunk_into", compiled)
+        chunk = kernel("soft_ce_chunk", compiled)
         own = grads is None
         grads = WeightGrads() if own else grads
         dx = torch.empty_like(x) if want_grad else x.new_zeros(())
         for start in range(0, N, chunk_rows):
             end = min(start + chunk_rows, N)
-            logits = x[start:end] @ weight.t()
-            g, _ = grads.slot(name, end - start) if want_grad else (None, None)  # dlogits straight into a stack
-            if g is None:
-                part, g, top[start:end] = chunk(logits, teacher_probs, rows[start:end], scale)
-            else:
-                part, top[start:end] = chunk_into(logits, teacher_probs, rows[start:end], scale, g)
-            del logits
+            part, g, top[start:end] = chunk(x[start:end] @ weight.t(), teacher_probs, rows[start:end], scale)
             loss = loss + part
             if want_grad:  # validation (no grad) skips the two gradient matmuls
                 torch.mm(g, weight, out=dx[start:end])

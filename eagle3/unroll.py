@@ -97,13 +97,12 @@ class TTTObjective(nn.Module):
     IMPLS = UNROLLS  # the train config's `unroll` choices (eagle3/choices.py)
 
     def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8, impl: str = "auto",
-                 compile: bool = False, attention_kernel: str = "auto", wgrad_stack_rows: Optional[int] = None):
+                 compile: bool = False, attention_kernel: str = "auto"):
         """impl: "reference" = `ttt_unroll` (the drafter stepped as at inference); "fast" =
         `eagle3.fast_unroll.ttt_unroll_fast` (same function, flash attention + shared embedding
         projections + fused loss); "auto" = fast on CUDA, reference elsewhere.
         compile: the fast path's memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
-        attention_kernel: the fast path's causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py).
-        wgrad_stack_rows: the fast path's weight-gradient stacking budget (None: its default)."""
+        attention_kernel: the fast path's causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py)."""
         super().__init__()
         if impl not in self.IMPLS:
             raise ValueError(f"TTTObjective impl={impl!r}: expected one of {self.IMPLS}")
@@ -113,7 +112,6 @@ class TTTObjective(nn.Module):
         self.impl = impl
         self.compile = compile
         self.attention_kernel = attention_kernel
-        self.wgrad_stack_rows = wgrad_stack_rows
 
     def resolved_impl(self, batch: dict) -> str:
         if self.impl != "auto":
@@ -127,8 +125,6 @@ class TTTObjective(nn.Module):
         if self.resolved_impl(batch) == "fast":
             unroll = ttt_unroll_fast
             extra = {"compiled": self.compile, "attention_kernel": self.attention_kernel}
-            if self.wgrad_stack_rows is not None:
-                extra["wgrad_stack_rows"] = self.wgrad_stack_rows
         return unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
                       batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
                       attention_mask=batch.get("attention_mask"), step_denominators=step_denominators, **extra)

@@ -8,9 +8,8 @@ Imports only torch (core code).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 

@@ -60,108 +60,14 @@ def matmul_accumulate(acc: Optional[torch.Tensor], a: torch.Tensor, b: torch.Ten
     return acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
 
 
-def stack_groups(use_rows: list[int], stack_rows: int, sum_elements: int = 0,
-                 copied_cols: int = 0) -> list[tuple[int, int]]:
-    """How the uses of one weight (rows of each, in arrival order) are gathered: consecutive uses while
-    their rows fit in `stack_rows`, as (uses, rows) per group. Pure. A group of one use is not stacked
-    (it goes straight into the sum). A group is kept only where it saves memory traffic: it spares
-    (uses - 1) fp32 read-modify-writes of the sum (8 bytes x sum_elements each) and costs a copy of
-    `copied_cols` columns per row of the operands its producers do not write in place (4 bytes each,
-    read + write of bf16); a group that does not pay is split back into single uses."""
-    groups: list[tuple[int, int]] = []
-    n = rows = 0
-    for r in use_rows:
-        if n and rows + r > stack_rows:
-            groups.append((n, rows))
-            n = rows = 0
-        n, rows = n + 1, rows + r
-    if n:
-        groups.append((n, rows))
-    out: list[tuple[int, int]] = []
-    at = 0
-    for n, rows in groups:
-        if n > 1 and (n - 1) * sum_elements * 2 < rows * copied_cols:
-            out += [(1, r) for r in use_rows[at:at + n]]
-        else:
-            out.append((n, rows))
-        at += n
-    return out
-
-
-class _Stack:
-    """dY rows and X rows of consecutive uses of one weight, side by side in two buffers, for one
-    GEMM with K = their total rows: one fp32 read-modify-write of the sum for the whole group
-    instead of one per use (at Kimi-K2 size ~2 GB of memory traffic per use of gate/up)."""
-
-    def __init__(self, groups: list[tuple[int, int]], out_features: int, in_features: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.groups = list(groups)
-        self.shape = (out_features, in_features)
-        self.dtype, self.device = dtype, device
-        self.dy: Optional[torch.Tensor] = None
-        self.x: Optional[torch.Tensor] = None
-        self.filled = 0  # rows of the current group in the buffers
-        self.arrived = 0  # uses of the current group so far (stacked or not)
-
-    def views(self, rows: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Where the next use's dY [rows, out] and X [rows, in] go (None: it is not stacked)."""
-        if not self.groups or self.groups[0][0] < 2 or dtype != self.dtype:
-            return None
-        capacity = self.groups[0][1]
-        if self.filled + rows > capacity:
-            return None
-        if self.dy is None:
-            self.dy = torch.empty(capacity, self.shape[0], dtype=self.dtype, device=self.device)
-            self.x = torch.empty(capacity, self.shape[1], dtype=self.dtype, device=self.device)
-        return self.dy[self.filled:self.filled + rows], self.x[self.filled:self.filled + rows]
-
-    def arrive(self, stacked_rows: int) -> bool:
-        """Count one use (its rows now in the buffers, or 0); True when its group is complete."""
-        self.filled += stacked_rows
-        self.arrived += 1
-        return bool(self.groups) and self.arrived == self.groups[0][0]
-
-    def drain(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The filled rows (dY, X) of the current group, which is then done; None if it holds none."""
-        out = None if not self.filled else (self.dy[:self.filled], self.x[:self.filled])
-        self.dy = self.x = None
-        self.filled = self.arrived = 0
-        if self.groups:
-            self.groups.pop(0)
-        return out
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
 class WeightGrads:
-    """The gradient sums of one unroll's shared weights, by name: fp32 (fp64 for fp64 compute).
-    A weight declared with `stack` gathers its uses' dY / X rows and sums a group of uses with one GEMM."""
+    """The gradient sums of one unroll's shared weights, by name: fp32 (fp64 for fp64 compute)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.uses: dict[str, int] = {}
         self.upstream: dict[str, torch.Tensor] = {}  # deferred factor of sums filled in the forward
-        self.stacks: dict[str, _Stack] = {}
         self.handed_over = False
-
-    def stack(self, name: str, use_rows: list[int], stack_rows: int, out_features: int, in_features: int,
-              dtype: torch.dtype, device: torch.device, copied_cols: int = 0) -> None:
-        """`name` will get uses of these row counts, in this order: gather them in groups of at most
-        `stack_rows` rows and sum each group with one GEMM, where that saves memory traffic
-        (`stack_groups`; copied_cols: columns per row its producers do not write in place via `slot`).
-        Uses that do not arrive as declared go straight into the sum (correct, just not stacked)."""
-        groups = stack_groups(use_rows, stack_rows, out_features * in_features, copied_cols)
-        if any(n > 1 for n, _ in groups):
-            self.stacks[name] = _Stack(groups, out_features, in_features, dtype, device)
-
-    def slot(self, name: str, rows: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Buffers the producer of the next use's dY [rows, out] / X [rows, in] may write into (then
-        `add` copies nothing); (None, None) when `name` is not stacked or the group cannot take it."""
-        st = self.stacks.get(name)
-        views = None if st is None else st.views(rows, st.dtype)
-        return (None, None) if views is None else views
 
     def add(self, name: str, dy: torch.Tensor, x: torch.Tensor) -> None:
         """sums[name] += dy^T x over the leading dims: dy [..., out], x [..., in] (compute dtype)."""
@@ -169,26 +75,9 @@ class WeightGrads:
             raise RuntimeError(f"WeightGrads: '{name}' gets a gradient after the sums were handed to the "
                                "parameters (a second backward through one unroll is not supported)")
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        self.uses[name] = self.uses.get(name, 0) + 1
-        st = self.stacks.get(name)
-        views = None if st is None else st.views(dy2.shape[0], dy2.dtype)
-        if views is None:
-            self._accumulate(name, dy2, x2)
-        else:
-            for src, dst in ((dy2, views[0]), (x2, views[1])):
-                if not _same_view(src, dst):
-                    dst.copy_(src)
-        if st is not None and st.arrive(0 if views is None else dy2.shape[0]):
-            self._flush(name)
-
-    def _accumulate(self, name: str, dy2: torch.Tensor, x2: torch.Tensor) -> None:
-        acc_dtype = torch.promote_types(dy2.dtype, torch.float32)
+        acc_dtype = torch.promote_types(dy.dtype, torch.float32)
         self.sums[name] = matmul_accumulate(self.sums.get(name), dy2.t(), x2, acc_dtype)
-
-    def _flush(self, name: str) -> None:
-        rows = self.stacks[name].drain()
-        if rows is not None:
-            self._accumulate(name, *rows)
+        self.uses[name] = self.uses.get(name, 0) + 1
 
     def set_upstream(self, name: str, factor: torch.Tensor) -> None:
         """A sum filled in the forward (before the upstream gradient was known) is scaled by `factor`
@@ -201,11 +90,7 @@ class WeightGrads:
         self.upstream[name] = factor
 
     def take(self, name: str) -> Optional[torch.Tensor]:
-        """The summed gradient of `name` (None if nothing was added), scaled by its upstream factor;
-        a partly filled group is summed first."""
-        if name in self.stacks:
-            self._flush(name)
-            del self.stacks[name]
+        """The summed gradient of `name` (None if nothing was added), scaled by its upstream factor."""
         g = self.sums.get(name)
         if g is not None and name in self.upstream:
             g = g.to(torch.promote_types(g.dtype, torch.float32)) * self.upstream[name]

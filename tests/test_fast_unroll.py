@@ -397,18 +397,11 @@ def unroll_case(T=24, seed=1):
     return model, batch, rows
 
 
-@pytest.mark.parametrize("K,options", [(1, "defaults"), (7, "defaults"), (7, "positions+denominators"),
-                                       (7, "no weight-gradient stacks"), (7, "stacks of two uses")])
+@pytest.mark.parametrize("K,options", [(1, "defaults"), (7, "defaults"), (7, "positions+denominators")])
 def test_fast_unroll_matches_reference_unroll(K, options):
-    """Default options stack every step's weight-gradient operands (the batch is small); "stacks of
-    two uses" groups them in pairs plus a lone use; "no ... stacks": one GEMM per use."""
     model, batch, rows = unroll_case()
     args = unroll_args(model, batch, rows)
     kwargs = {}
-    if options == "no weight-gradient stacks":
-        kwargs = {"wgrad_stack_rows": 0}
-    if options == "stacks of two uses":
-        kwargs = {"wgrad_stack_rows": 2 * batch["input_ids"].numel()}
     if options == "positions+denominators":
         B, T = batch["input_ids"].shape
         counts = step_position_counts(batch["loss_mask"], batch["target_argmax"], model.t2d, K)
@@ -416,7 +409,7 @@ def test_fast_unroll_matches_reference_unroll(K, options):
         gaps = torch.randint(1, 4, (B, T), generator=torch.Generator().manual_seed(7))
         kwargs = {"position_ids": gaps.cumsum(dim=1) + torch.tensor([[3], [11]]),
                   "step_denominators": 2 * counts + torch.arange(K, dtype=torch.float32)}
-    ref, ref_grads = loss_and_grads(ttt_unroll, args, K, **{k: v for k, v in kwargs.items() if k != "wgrad_stack_rows"})
+    ref, ref_grads = loss_and_grads(ttt_unroll, args, K, **kwargs)
     fast, fast_grads = loss_and_grads(ttt_unroll_fast, args, K, **kwargs)
 
     assert (ref.count > 0).all()  # every step has valid positions
@@ -494,10 +487,9 @@ def test_compiled_pieces_mark_exactly_the_sizes_that_vary(monkeypatch):
     monkeypatch.setattr(fast_kernels.torch, "compile", lambda fn, dynamic=None: fn)  # no Inductor on CPU tests
     monkeypatch.setattr(fast_kernels.torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)
     for T in (24, 12):
-        for stack_rows in (0, 1024):  # the plain kernels, then the ones writing into weight-gradient stacks
-            model, batch, rows = unroll_case(T=T)
-            out = ttt_unroll_fast(*unroll_args(model, batch, rows), 7, compiled=True, wgrad_stack_rows=stack_rows)
-            out.loss.backward()
+        model, batch, rows = unroll_case(T=T)
+        out = ttt_unroll_fast(*unroll_args(model, batch, rows), 7, compiled=True)
+        out.loss.backward()
     for name, calls in seen.items():
         assert len(calls) >= 2, name
         marked = set(fast_kernels.VARYING_DIMS[name])

@@ -1,15 +1,14 @@
 """eagle3/wgrad.py: weight gradients summed in fp32 over a batch's uses, handed to the parameters
-through one autograd node; and the fast unroll's norm + MLP recompute (eagle3/fast_unroll._NormMLP) and the
-stacked weight-gradient GEMMs."""
+through one autograd node; and the fast unroll's SwiGLU recompute (eagle3/fast_unroll._SwiGLUDown)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.fast_unroll import _norm_mlp
+from eagle3.fast_unroll import _SwiGLUDown
 from eagle3.fused_ce import scaled_linear_soft_cross_entropy
-from eagle3.wgrad import ALL, WeightGrads, linear, matmul_accumulate, shared_weights, stack_groups
+from eagle3.wgrad import ALL, WeightGrads, linear, matmul_accumulate, shared_weights
 
 
 def _params(seed=0, dtype=torch.float64):
@@ -73,74 +72,18 @@ def test_a_second_backward_through_the_same_sums_is_refused():
         y.backward()
 
 
-@pytest.mark.parametrize("stack_rows", [0, 64])
-def test_norm_mlp_recomputes_norm_and_product_and_matches_autograd(stack_rows):
-    """Three uses of the norm + MLP branch (gate/up and down summed over them): gradients of x, the
-    norm weight and both matrices equal plain autograd's, with the operands written into the stacks
-    (stack_rows 64: all three uses in one GEMM each) or not (0)."""
-    from eagle3.fast_kernels import rms_norm
+def test_swiglu_down_recomputes_the_product_and_matches_autograd():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    nw = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
-    gu = torch.randn(8, 6, generator=g, dtype=torch.float64, requires_grad=True)   # [2I, H], I = 4
-    down = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
-
-    def plain(h):
-        gate, up = F.linear(rms_norm(h, nw, 1e-6, torch.float64), gu).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
-
-    def run(mlp):
-        h, total = x, 0
-        for _ in range(3):
-            h = h + mlp(h)
-            total = total + (h ** 2).sum()
-        return total
-
-    want = torch.autograd.grad(run(plain), (x, nw, gu, down))
+    gu = torch.randn(2, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.autograd.grad(F.linear(F.silu(gate) * up, down), (gu, down), dy)
     grads = WeightGrads()
-    w = shared_weights(grads, {"gate_up": [(gu, ALL, ALL)], "down": [(down, ALL, ALL)]}, torch.float64)
-    for name in ("gate_up", "down"):
-        grads.stack(name, [8] * 3, stack_rows, *w[name].shape, torch.float64, x.device)
-    assert (name in grads.stacks) == (stack_rows > 0)
-    norm = torch.nn.Module()
-    norm.weight, norm.eps = nw, 1e-6
-    got = torch.autograd.grad(run(lambda h: _norm_mlp(grads, h, norm, w["gate_up"], w["down"], False)),
-                              (x, nw, gu, down))
+    w = shared_weights(grads, {"down": [(down, ALL, ALL)]}, torch.float64)
+    got = torch.autograd.grad(_SwiGLUDown.apply(grads, False, gu, w["down"]), (gu, down), dy)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert grads.uses == {"gate_up": 3, "down": 3}
-
-
-def test_stack_groups_gather_uses_within_the_budget_where_it_pays():
-    assert stack_groups([4] * 7, 28) == [(7, 28)]
-    assert stack_groups([4] * 7, 16) == [(4, 16), (3, 12)]
-    assert stack_groups([4] * 3, 4) == [(1, 4)] * 3                 # one use fills the budget: nothing stacked
-    assert stack_groups([3, 5, 2], 100) == [(3, 10)]
-    # a group that copies more than it saves is split back into single uses:
-    # saves (n - 1) * 2 * sum_elements = 2 * 2 * 10 = 40 vs copies rows * cols = 12 * cols
-    assert stack_groups([4] * 3, 100, sum_elements=10, copied_cols=3) == [(3, 12)]
-    assert stack_groups([4] * 3, 100, sum_elements=10, copied_cols=4) == [(1, 4)] * 3
-
-
-def test_stacked_sums_equal_per_use_sums_however_the_uses_arrive():
-    """Uses gathered by `stack` (written through `slot` or copied in by `add`) sum to what one GEMM
-    per use gives, also when the uses do not arrive as declared (an extra use, a larger one, fewer)."""
-    g = torch.Generator().manual_seed(11)
-    uses = [(torch.randn(r, 5, generator=g, dtype=torch.float64), torch.randn(r, 3, generator=g, dtype=torch.float64))
-            for r in (4, 4, 6, 4, 2)]
-    want = sum(dy.t() @ x for dy, x in uses)
-    for declared in ([4, 4, 6, 4, 2], [4, 4], [4, 4, 4, 4, 4, 4, 4], [6, 2, 4]):
-        grads = WeightGrads()
-        grads.stack("w", declared, 10, 5, 3, torch.float64, torch.device("cpu"))
-        for i, (dy, x) in enumerate(uses):
-            dy_slot, x_slot = grads.slot("w", dy.shape[0])
-            if i % 2 and dy_slot is not None:  # every other use written in place, as the kernels do
-                dy_slot.copy_(dy)
-                x_slot.copy_(x)
-                dy, x = dy_slot, x_slot
-            grads.add("w", dy, x)
-        torch.testing.assert_close(grads.take("w"), want, rtol=1e-12, atol=1e-12)
-        assert not grads.stacks
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_scaled_soft_ce_through_weight_grads_scales_by_the_upstream_gradient():
@@ -193,8 +136,7 @@ def test_rms_norm_backward_is_autograd_of_rms_norm(x_dtype, w_dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("stack_rows", [0, 64])
-def test_norm_linear_recomputes_the_norm_and_matches_autograd(stack_rows):
+def test_norm_linear_recomputes_the_norm_and_matches_autograd():
     from eagle3.fast_kernels import rms_norm
     from eagle3.fast_unroll import _NormLinear
     g = torch.Generator().manual_seed(6)
@@ -205,12 +147,9 @@ def test_norm_linear_recomputes_the_norm_and_matches_autograd(stack_rows):
     want = torch.autograd.grad(F.linear(rms_norm(x, nw, 1e-6, torch.float64), W), (x, nw, W), dy)
     grads = WeightGrads()
     w = shared_weights(grads, {"w": [(W, ALL, ALL)]}, torch.float64)
-    grads.stack("w", [6, 6], stack_rows, 5, 8, torch.float64, x.device)   # two uses: norm written into the stack
-    y = sum(_NormLinear.apply(grads, "w", False, 1e-6, x, nw, w["w"]) * s for s in (1.0, 0.5))
-    got = torch.autograd.grad(y, (x, nw, W), dy)
+    got = torch.autograd.grad(_NormLinear.apply(grads, "w", False, 1e-6, x, nw, w["w"]), (x, nw, W), dy)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, 1.5 * b, rtol=1e-10, atol=1e-12)
-    assert grads.uses == {"w": 2} and not grads.stacks
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_diagonal_keys_release_only_tensors_that_own_their_storage():
