@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.choices import ATTENTION_KERNELS  # the train config's attention_kernel choices
+from eagle3 import triton_merge
 from eagle3.fast_kernels import kernel
 
 
@@ -167,6 +168,15 @@ class DiagonalKeys:
                     x.untyped_storage().resize_(0)
 
 
+def _merge_kernel(direction: str, compiled: bool, q: torch.Tensor):
+    """The diagonal merge (forward | backward): on CUDA, when the fast path is compiled, the Triton
+    kernels of eagle3/triton_merge.py (keys/values read once); else fast_kernels' function, eager or
+    compiled by Inductor."""
+    if compiled and triton_merge.usable(q):
+        return triton_merge.merge_forward if direction == "forward" else triton_merge.merge_backward
+    return kernel(f"diagonal_merge_{direction}", compiled)
+
+
 class _CausalPlusDiagonal(torch.autograd.Function):
     """Tensors [B,T,h,d] (sequence-major). inputs: scale, compiled, block-0 kernel name, keys [S,...],
     values [S,...] (buffer views, read only), q, k0, v0, k_1, v_1, ..., k_S, v_S (for the gradients)."""
@@ -177,8 +187,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         o0, lse0, state = _causal_forward(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2), scale,
                                           kernel_name)
         T = q.shape[1]
-        out, lse = kernel("diagonal_merge_forward", compiled)(q, o0.transpose(1, 2), lse0[..., :T].transpose(1, 2),
-                                                              keys, values, scale)
+        out, lse = _merge_kernel("forward", compiled, q)(q, o0.transpose(1, 2), lse0[..., :T].transpose(1, 2),
+                                                         keys, values, scale)
         lse_full = lse0.clone()    # same shape as the kernel's lse (it may be padded past T)
         lse_full[..., :T] = lse.transpose(1, 2).to(lse_full.dtype)
         ctx.scale, ctx.compiled, ctx.state, ctx.kernel_name = scale, compiled, state, kernel_name
@@ -193,8 +203,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         dq0, dk0, dv0 = _causal_backward(t(dout), t(q), t(k0), t(v0), t(out), lse_full, ctx.state, ctx.scale,
                                          ctx.kernel_name)
         lse = lse_full[..., :q.shape[1]].transpose(1, 2)
-        dq, dkeys, dvalues = kernel("diagonal_merge_backward", ctx.compiled)(dout, q, out, lse, t(dq0), ctx.keys,
-                                                                             ctx.values, ctx.scale)
+        dq, dkeys, dvalues = _merge_kernel("backward", ctx.compiled, q)(dout, q, out, lse, t(dq0), ctx.keys,
+                                                                        ctx.values, ctx.scale)
         diag = [g for pair in zip(dkeys.unbind(0), dvalues.unbind(0)) for g in pair]
         return (None, None, None, None, None, dq, t(dk0), t(dv0), *diag)
 
