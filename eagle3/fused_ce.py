@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from eagle3 import triton_kernels
 from eagle3.fast_kernels import kernel
 from eagle3.wgrad import WeightGrads
 
@@ -34,7 +35,8 @@ class _LinearSoftCE(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         loss = torch.zeros((), dtype=acc, device=x.device)
         top = torch.empty(N, dtype=torch.long, device=x.device)
-        chunk = kernel("soft_ce_chunk", compiled)
+        # the chunk's math: on CUDA, compiled, the Triton kernel (eagle3/triton_kernels.py); else the function, maybe compiled
+        chunk = triton_kernels.soft_ce_chunk if compiled and triton_kernels.usable(x) else kernel("soft_ce_chunk", compiled)
         own = grads is None
         grads = WeightGrads() if own else grads
         dx = torch.empty_like(x) if want_grad else x.new_zeros(())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.choices import ATTENTION_KERNELS  # the train config's attention_kernel choices
-from eagle3 import triton_merge
+from eagle3 import triton_kernels
 from eagle3.fast_kernels import kernel
 
 
@@ -170,10 +170,10 @@ class DiagonalKeys:
 
 def _merge_kernel(direction: str, compiled: bool, q: torch.Tensor):
     """The diagonal merge (forward | backward): on CUDA, when the fast path is compiled, the Triton
-    kernels of eagle3/triton_merge.py (keys/values read once); else fast_kernels' function, eager or
+    kernels of eagle3/triton_kernels.py (keys/values read once); else fast_kernels' function, eager or
     compiled by Inductor."""
-    if compiled and triton_merge.usable(q):
-        return triton_merge.merge_forward if direction == "forward" else triton_merge.merge_backward
+    if compiled and triton_kernels.usable(q, head_dim=q.shape[-1]):
+        return triton_kernels.merge_forward if direction == "forward" else triton_kernels.merge_backward
     return kernel(f"diagonal_merge_{direction}", compiled)
 
 

@@ -1,17 +1,21 @@
-"""The diagonal merge of the fast TTT attention (eagle3/fast_kernels.diagonal_merge_forward /
-diagonal_merge_backward) as two Triton kernels, for CUDA.
+"""Hand-written Triton kernels for the fast TTT step on CUDA, where Inductor's code for the same math
+reads its operands more than once.
 
-Each (position, head) row merges the causal block's output with that position's own keys/values of
-the later TTT steps, keys/values [S,B,T,h,d] with S <= 6. Compiled by Inductor, the math splits into
-several kernels (reductions over d, then over S), which read the S keys/values two or three times;
-here one program takes a block of rows through all S steps in registers: keys/values are read once
-and dkeys/dvalues written once. Same math in fp32 as the eager functions, with two differences of
-rounding only: the forward folds the steps into the log-sum-exp one at a time (online softmax), and
-the backward adds each step's dq term to the causal block's dq in turn.
+* The diagonal merge of the TTT attention (eagle3/fast_kernels.diagonal_merge_forward / _backward):
+  each (position, head) row merges the causal block's output with that position's own keys/values of
+  the later TTT steps, keys/values [S,B,T,h,d] with S <= 6. Compiled by Inductor the math splits into
+  several kernels (reductions over d, then over S) that read the S keys/values two or three times;
+  here one program takes a block of rows through all S steps in registers: keys/values are read once
+  and dkeys/dvalues written once. Rounding differs only in order: the forward folds the steps into the
+  log-sum-exp one at a time (online softmax); the backward adds each step's dq term in turn.
+* One chunk of the fused soft cross-entropy (eagle3/fast_kernels.soft_ce_chunk): a row's logits and
+  teacher probabilities are read twice (an online log-sum-exp with the argmax and the two sums, then
+  the gradient), where Inductor's kernel reads them about three times. The loss of a row is
+  sum(p) * lse - sum(p * logits), the same sum as sum(p * (lse - logits)) in another order.
 
-`usable(q)` says whether these kernels take a call (CUDA, Triton importable, d a power of two);
-eagle3/ttt_flash.py uses them there when the fast path is compiled, and the compiled functions
-elsewhere. tests/test_triton_merge.py (CUDA only) checks both against the eager functions.
+`usable(x)` says whether these kernels take a call (CUDA, Triton importable); eagle3/ttt_flash.py and
+eagle3/fused_ce.py use them there when the fast path is compiled, and the compiled functions
+elsewhere. tests/test_triton_kernels.py (CUDA only) checks them against the eager functions.
 
 Imports torch; Triton only when a kernel is first used.
 """
@@ -34,10 +38,12 @@ def _triton_available() -> bool:
     return True
 
 
-def usable(q: torch.Tensor) -> bool:
-    """Whether the Triton kernels take queries q [B,T,h,d]: CUDA, Triton present, d a power of two."""
-    d = q.shape[-1]
-    return q.is_cuda and d >= 16 and d & (d - 1) == 0 and _triton_available()
+def usable(x: torch.Tensor, head_dim: int = 0) -> bool:
+    """Whether the Triton kernels take a call on x: CUDA and Triton present (and, for the merge, a head
+    dim that is a power of two >= 16)."""
+    if head_dim and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return False
+    return x.is_cuda and _triton_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +99,45 @@ def _kernels():
             tl.store(dk_ptr + base + offs, (ds[:, None] * q).to(dk_ptr.dtype.element_ty), mask=m2)
         tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=m2)
 
-    return merge_forward_kernel, merge_backward_kernel
+    @triton.jit
+    def soft_ce_kernel(logits_ptr, teacher_ptr, rows_ptr, scale_ptr, g_ptr, loss_ptr, top_ptr, V,
+                       BLOCK_V: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        logits_row = logits_ptr + r * V
+        teacher_row = teacher_ptr + tl.load(rows_ptr + r).to(tl.int64) * V
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([], tl.float32)
+        p_sum = tl.zeros([], tl.float32)
+        pl_sum = tl.zeros([], tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.zeros([], tl.int64)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            lf = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            p = tl.load(teacher_row + cols, mask=mask, other=0.0).to(tl.float32)
+            block_max = tl.max(lf, axis=0)
+            block_i = tl.argmax(lf, axis=0).to(tl.int64) + start
+            best_i = tl.where(block_max > best, block_i, best_i)  # strictly greater: the first maximum wins
+            best = tl.maximum(best, block_max)
+            m_new = tl.maximum(m, block_max)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(lf - m_new), axis=0)
+            m = m_new
+            p_sum += tl.sum(p, axis=0)
+            pl_sum += tl.sum(tl.where(mask, p * lf, 0.0), axis=0)
+        lse = m + tl.log(s)
+        scale = tl.load(scale_ptr).to(tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            lf = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(teacher_row + cols, mask=mask, other=0.0).to(tl.float32)
+            g = (tl.exp(lf - lse) * p_sum - p) * scale
+            tl.store(g_ptr + r * V + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+        tl.store(loss_ptr + r, p_sum * lse - pl_sum)
+        tl.store(top_ptr + r, best_i)
+
+    return merge_forward_kernel, merge_backward_kernel, soft_ce_kernel
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +162,7 @@ def merge_forward(q: torch.Tensor, o0: torch.Tensor, lse0: torch.Tensor, keys: t
     out = torch.empty_like(o0)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     rows, d = q.numel() // q.shape[-1], q.shape[-1]
-    fwd, _ = _kernels()
+    fwd = _kernels()[0]
     fwd[_grid(rows)](q, o0, lse0, keys, values, out, lse, rows, keys.shape[0], q.numel(), float(scale),
                      BLOCK_R=BLOCK_ROWS, D=d, num_warps=8)
     return out, lse
@@ -133,7 +177,27 @@ def merge_backward(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: 
     dq = torch.empty_like(q)
     dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
     rows, d = q.numel() // q.shape[-1], q.shape[-1]
-    _, bwd = _kernels()
+    bwd = _kernels()[1]
     bwd[_grid(rows)](dout, q, out, lse, dq_block0, keys, values, dq, dkeys, dvalues, rows, keys.shape[0], q.numel(),
                      float(scale), BLOCK_R=BLOCK_ROWS, D=d, num_warps=8)
     return dq, dkeys, dvalues
+
+
+SOFT_CE_BLOCK = 4096  # vocabulary columns per loop iteration of the soft-CE kernel
+
+
+def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor):
+    """`fast_kernels.soft_ce_chunk` (same arguments and results: summed soft CE fp32, the gradient in
+    logits' dtype, argmax Long)."""
+    n, V = logits.shape
+    if teacher_probs.dim() != 2 or teacher_probs.shape[1] != V or rows.shape != (n,):
+        raise ValueError(f"soft_ce_chunk: teacher probs {tuple(teacher_probs.shape)} / rows {tuple(rows.shape)} "
+                         f"do not fit logits {tuple(logits.shape)}")
+    logits, teacher_probs, rows = _dense(logits), _dense(teacher_probs), _dense(rows)
+    g = torch.empty_like(logits)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=logits.device)
+    top = torch.empty(n, dtype=torch.long, device=logits.device)
+    if n:
+        _kernels()[2][(n,)](logits, teacher_probs, rows, scale.to(torch.float32).reshape(1), g, loss_rows, top, V,
+                            BLOCK_V=SOFT_CE_BLOCK, num_warps=8)
+    return loss_rows.sum(), g, top
