@@ -39,6 +39,25 @@ def test_fast_unroll_trains_like_the_reference_through_run_train(world, tmp_path
     assert ref[-1]["loss_weighted"] < ref[0]["loss_weighted"]  # it did train
 
 
+def test_clip_folded_into_a_fused_adamw_trains_like_the_separate_clip_through_run_train(world, tmp_path):  # noqa: F811
+    """optim.fused=true on CPU: the trainer hands the clip factor to the fused AdamW (train/engine.clip_gradients);
+    the same run with the foreach AdamW clips in a separate pass through accelerate. Same updates, same norms."""
+    runs = {}
+    for fused in ("true", "false"):
+        out = tmp_path / f"fused-{fused}"
+        cfg = config_for(world, out, "scratch", max_steps=4, epochs="null", log_every=1, val_every=0,
+                         val_accept_sequences=0, **{"optim.fused": fused, "optim.grad_clip": 0.05,
+                                                    "wandb.mode": "disabled"})
+        run_train(cfg)
+        runs[fused] = _train_rows(out)
+    folded, separate = runs["true"], runs["false"]
+    assert len(folded) == len(separate) == 4
+    assert all(r["grad_norm"] > 0.05 for r in separate)  # every step was clipped: the factor mattered
+    for a, b in zip(separate, folded):
+        assert b["loss_weighted"] == pytest.approx(a["loss_weighted"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
 def test_schema_rejects_unknown_unroll_compile_and_attention_kernel(world, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="unroll"):
         config_for(world, tmp_path, unroll="fastest")
