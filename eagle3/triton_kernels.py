@@ -39,11 +39,12 @@ def _triton_available() -> bool:
 
 
 def usable(x: torch.Tensor, head_dim: int = 0) -> bool:
-    """Whether the Triton kernels take a call on x: CUDA and Triton present (and, for the merge, a head
-    dim that is a power of two >= 16)."""
+    """Whether the Triton kernels take a call on x: CUDA, Triton present, x in bf16 / fp16 / fp32 (the
+    kernels compute in fp32, where the eager functions keep fp64 as fp64) and, for the merge, a head dim
+    that is a power of two >= 16."""
     if head_dim and (head_dim < 16 or head_dim & (head_dim - 1)):
         return False
-    return x.is_cuda and _triton_available()
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _triton_available()
 
 
 @functools.lru_cache(maxsize=None)

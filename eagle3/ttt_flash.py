@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.choices import ATTENTION_KERNELS  # the train config's attention_kernel choices
 from eagle3 import triton_kernels
+from eagle3.choices import ATTENTION_KERNELS  # the train config's attention_kernel choices
 from eagle3.fast_kernels import kernel
 
 
