@@ -31,7 +31,7 @@ def _case(S, T, dtype, seed=0):
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("S,T", [(1, 5), (3, 37), (6, 64)])  # rows = 2*T*3: not a multiple of the 32-row block
-def test_triton_kernels_matches_the_eager_functions(S, T, dtype, tol):
+def test_triton_merge_matches_the_eager_functions(S, T, dtype, tol):
     pytest.importorskip("triton")
     q, o0, lse0, keys, values = _case(S, T, dtype)
     scale = 128 ** -0.5
@@ -51,7 +51,7 @@ def test_triton_kernels_matches_the_eager_functions(S, T, dtype, tol):
 
 
 @cuda
-def test_triton_kernels_rejects_keys_that_do_not_fit():
+def test_triton_merge_rejects_keys_that_do_not_fit():
     pytest.importorskip("triton")
     q, o0, lse0, keys, values = _case(2, 8, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
