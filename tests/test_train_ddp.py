@@ -24,9 +24,13 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unroll", ["auto", "fast"])  # fast: weight gradients handed over by eagle3/wgrad.py's node
-def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, unroll):
+@pytest.mark.parametrize("unroll,fused", [("auto", False), ("fast", True)])
+def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, unroll, fused):
+    """fast: weight gradients handed over by eagle3/wgrad.py's node; fused: a fused AdamW with the clip
+    folded into its step (train/engine.clip_gradients), clipping every step (grad_clip 0.05)."""
     common = dict(max_steps=6, epochs="null", checkpoint_every=3, unroll=unroll)
+    if fused:
+        common.update({"optim.fused": "true", "optim.grad_clip": 0.05})
     one = tmp_path / "one"
     run_train(config_for(world, one, "scratch", grad_accum=2, **common))
 
@@ -38,6 +42,8 @@ def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, 
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "on 2 process(es)" in res.stdout and "MULTI_CPU" in res.stdout  # DDP over gloo
 
+    if fused:
+        assert all(r["grad_norm"] > 0.05 for r in rows(one, "train"))  # the folded clip acted on every logged step
     for r1, r2 in zip(rows(one, "train"), rows(two, "train"), strict=True):
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5)
         assert r2["acc"] == pytest.approx(r1["acc"], abs=1e-6)
