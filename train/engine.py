@@ -133,13 +133,13 @@ def full_optimizer_state(accelerator, model, optimizer, fsdp: bool) -> Optional[
         return optimizer.state_dict() if accelerator.is_main_process else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
+    state = get_optimizer_state_dict(model, _inner(optimizer),
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state if accelerator.is_main_process else None
 
 
 def load_optimizer_state(model, optimizer, state: dict, fsdp: bool) -> None:
-    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    inner = _inner(optimizer)
     if not fsdp:
         inner.load_state_dict(state)
         return
