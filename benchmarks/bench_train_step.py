@@ -37,7 +37,9 @@ import torch  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.ttt_flash import resolve_attention_kernel  # noqa: E402
 from eagle3.unroll import TTTObjective  # noqa: E402
+from eagle3 import triton_kernels  # noqa: E402
 from train.engine import clip_gradients, optimizer_step  # noqa: E402
+from train.optim import adamw  # noqa: E402
 
 K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=256, vocab=1024)
@@ -91,6 +93,15 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="time the in-memory rows (every impl x T) this many times, alternating impls (A/B on a "
                         "noisy machine: compare within a round)")
+    p.add_argument("--anchor-rounds", type=int, default=1,
+                   help="time the anchor at each (T, share) this many times (each --warmup + --iters steps); the "
+                        "ratios then take the median over rounds of both tools' tokens/s")
+    p.add_argument("--optimizer", default="auto", choices=("auto", "torch-fused"),
+                   help="auto: the trainer's choice (train/optim.adamw: the Triton AdamW on CUDA); torch-fused: "
+                        "torch's fused AdamW (the A/B of the optimizer kernel)")
+    p.add_argument("--triton-kernels", default="on", choices=("on", "off"),
+                   help="off: the fast path's hand-written Triton kernels (eagle3/triton_kernels.py: diagonal merge, "
+                        "soft CE) refuse every call and the compiled functions run (the A/B of those kernels)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     dims = dict(TINY if args.tiny else K2)
@@ -401,6 +412,13 @@ def find_row(results: list[dict], impl: str, T: int, share: float) -> dict | Non
                  and "tokens_per_s" in r), None)
 
 
+def median_tokens_per_s(results: list[dict], impl: str, T: int, share: float) -> float | None:
+    """The median tokens/s over the timed rows (rounds) of impl at (T, share); None where none ran."""
+    got = [r["tokens_per_s"] for r in results if r.get("impl") == impl and r["T"] == T and r.get("share") == share
+           and "tokens_per_s" in r]
+    return statistics.median(got) if got else None
+
+
 def anchor_pairs(results: list[dict], max_seq_len: int | None = None) -> list[tuple[int, float]]:
     """The (T, loss share) pairs the anchor must run at: every timed fast row (up to max_seq_len), in
     order, once each."""
@@ -414,14 +432,17 @@ def anchor_pairs(results: list[dict], max_seq_len: int | None = None) -> list[tu
 
 def anchor_summary(results: list[dict]) -> list[dict]:
     """Per (T, share): this project's fast step in memory and fed from the store, SpecForge's own step,
-    and the tokens/s ratios (the same-run figures every speed claim quotes)."""
+    and the tokens/s ratios (the same-run figures every speed claim quotes); each the median over the
+    rounds that ran (--rounds, --anchor-rounds), with the rounds' spread."""
     out = []
     for T, share in anchor_pairs(results):  # every fast row; the anchor columns stay empty where it did not run
-        mem, store, sf = (find_row(results, impl, T, share) for impl in ("fast", "fast-from-store", "specforge"))
-        row = {"T": T, "share": share, "fast_tokens_per_s": mem and mem["tokens_per_s"],
-               "store_tokens_per_s": store and store["tokens_per_s"], "anchor_tokens_per_s": sf and sf["tokens_per_s"]}
+        mem, store, sf = (median_tokens_per_s(results, impl, T, share) for impl in ("fast", "fast-from-store", "specforge"))
+        row = {"T": T, "share": share, "fast_tokens_per_s": mem, "store_tokens_per_s": store, "anchor_tokens_per_s": sf}
         for k, ours in (("fast_vs_anchor", mem), ("store_vs_anchor", store)):
-            row[k] = round(ours["tokens_per_s"] / sf["tokens_per_s"], 3) if ours and sf else None
+            row[k] = round(ours / sf, 3) if ours and sf else None
+        anchor_runs = [r["tokens_per_s"] for r in results if r.get("impl") == "specforge" and r["T"] == T
+                       and r.get("share") == share and "tokens_per_s" in r]
+        row["anchor_rounds"] = anchor_runs
         out.append(row)
     return out
 
@@ -459,7 +480,7 @@ def run_anchor(ctx: dict, pairs: list[tuple[int, float]]) -> list[dict]:
             sf = sfa.SpecForgeStep(args.dims, args.ttt, device, ctx["draft_ids"],
                                    max_len=max(T for T, _ in pairs) + args.ttt + 64, **settings)
             print(f"SpecForge 0.2.0 anchor: {settings}, trainable params {sf.trainable / 1e6:.1f}M", flush=True)
-            for T, share in pairs:
+            for rnd, (T, share) in ((rnd, pair) for rnd in range(args.anchor_rounds) for pair in pairs):
                 batch = make_batch(args.dims, args.batch, T, ctx["draft_ids"], device, mask_frac=share)
                 try:
                     r = sfa.time_steps(sf, batch, args.iters, args.warmup)
@@ -469,7 +490,7 @@ def run_anchor(ctx: dict, pairs: list[tuple[int, float]]) -> list[dict]:
                     continue
                 finally:
                     del batch
-                rows.append({"impl": "specforge", "T": T, "share": share, **r, **settings})
+                rows.append({"impl": "specforge", "T": T, "share": share, **r, **settings, "round": rnd})
                 print(f" specforge {T:>6} {share:>5} {r['step_s']:>8.4f} {'':>9} {'':>8} {'':>8} {r['tokens_per_s']:>9.0f} "
                       f"{'':>8} {'':>6} {r.get('peak_alloc_gib', '-'):>10} {r.get('peak_reserved_gib', '-'):>9}  "
                       f"loss {r['loss']:.4f}", flush=True)
@@ -503,8 +524,12 @@ def main(argv=None) -> list[dict]:
     objective.compile = args.compile
     objective.attention_kernel = args.attention_kernel
     params = [p for p in objective.parameters() if p.requires_grad]
+    triton_kernels.set_enabled(args.triton_kernels == "on")
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
+    if args.optimizer == "torch-fused" and fused:
+        optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), fused=True)
+    else:  # the trainer's AdamW (train/engine.make_optimizer), weight decay as torch's default
+        optimizer = adamw(params, lr=5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=None, device=device)
     n_train = sum(p.numel() for p in params)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, autocast bf16: {autocast}, compile: {args.compile}, dims {args.dims}, TTT {args.ttt}, batch {args.batch}, "
@@ -588,8 +613,10 @@ def main(argv=None) -> list[dict]:
         for s in summary:
             cells = [f"{s[k]:.0f}" if s[k] else "-" for k in ("fast_tokens_per_s", "store_tokens_per_s", "anchor_tokens_per_s")]
             ratios = [f"{s[k]:.2f}x" if s[k] else "-" for k in ("fast_vs_anchor", "store_vs_anchor")]
+            spread = (f"  (anchor rounds {', '.join(f'{x:.0f}' for x in s['anchor_rounds'])})"
+                      if len(s["anchor_rounds"]) > 1 else "")
             print(f"{'':>19} {s['T']:>6} {s['share']:>5} {cells[0]:>9} {cells[1]:>10} {cells[2]:>9} {ratios[0]:>8} "
-                  f"{ratios[1]:>8}", flush=True)
+                  f"{ratios[1]:>8}{spread}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
                                                "mask_frac": args.mask_frac, "device": str(device), "check": check,

@@ -44,6 +44,17 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return dx.to(x.dtype), d_weight
 
 
+def norm_weight_grads(product: torch.Tensor, w: torch.Tensor,
+                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For y = rms_norm(x, weight) @ w^T and product = dy^T normalise(x) (summed over positions, [out, in]):
+    (the gradient of w, product * weight per column; the gradient of weight, sum over out of product * w),
+    in product's dtype / weight's dtype. Where x takes no gradient this replaces the dy @ w GEMM that
+    `rms_norm_backward` needs (sum_r (dy @ w)[r, j] n[r, j] = sum_o (dy^T n)[o, j] w[o, j])."""
+    d_w = product * weight.to(product.dtype)
+    d_weight = (product * w.to(product.dtype)).sum(0).to(weight.dtype)
+    return d_w, d_weight
+
+
 def rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [..., d] as the two halves of each head, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
     which is x * cos + rotate_half(x) * sin for cos/sin = cat(c, c) / cat(s, s); c/s [..., d/2] broadcast."""
@@ -153,6 +164,7 @@ _FUNCTIONS: dict[str, Callable] = {
     "diagonal_merge_forward": diagonal_merge_forward,
     "diagonal_merge_backward": diagonal_merge_backward,
     "soft_ce_chunk": soft_ce_chunk,
+    "norm_weight_grads": norm_weight_grads,
 }
 # The (argument, dim) of each function's tensors that change from call to call: T (positions; the
 # diagonal steps' [S,B,T,h,d] buffers have T at dim 2), N (loss rows of a chunk), S (diagonal steps
@@ -169,6 +181,7 @@ VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
     "diagonal_merge_forward": ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2), (4, 0), (4, 2)),
     "diagonal_merge_backward": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 0), (5, 2), (6, 0), (6, 2)),
     "soft_ce_chunk": ((0, 0), (1, 0), (2, 0)),
+    "norm_weight_grads": (),  # weight-sized: no dim varies
 }
 _COMPILED: dict[str, Callable] = {}
 

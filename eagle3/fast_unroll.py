@@ -8,7 +8,8 @@ What differs from the reference unroll (which steps the drafter module as infere
     [input_layernorm(embed(x_{t+k+1})), hidden_norm(h_t)]; the first half at step k is step 0's
     shifted by k positions, so `W[:, :H] @ e` is one matmul over T + K - 1 positions (and one
     weight-gradient matmul over the summed shifted gradients) instead of K of each. This removes
-    about 17% of the FLOPs of a Kimi-sized step.
+    about 17% of the FLOPs of a Kimi-sized step. The embeddings are frozen, so that half runs no
+    input-gradient matmul: input_layernorm's weight gradient comes from the weight-gradient product.
   * q/k/v (hidden half) and gate/up are single matmuls over concatenated weights, cast to the
     compute dtype once per batch instead of once per use.
   * The loss is a chunked fused linear soft cross-entropy (eagle3/fused_ce.py): no fp32 logits
@@ -83,6 +84,14 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, norm_weight, w = ctx.saved_tensors
+        if not ctx.needs_input_grad[4]:
+            # x takes no gradient (the frozen embeddings of q/k/v's embedding half): the norm weight's
+            # gradient comes from dy^T normalise(x), the product w's gradient needs anyway, and the
+            # dy @ w GEMM (one over every position) is not run (fast_kernels.norm_weight_grads)
+            n = kernel("rms_norm", ctx.compiled)(x, torch.ones_like(norm_weight), ctx.eps, w.dtype)
+            d_w, d_norm = kernel("norm_weight_grads", ctx.compiled)(ctx.grads.product(dy, n), w, norm_weight)
+            ctx.grads.add_product(ctx.name, d_w)
+            return None, None, None, None, None, d_norm, None
         ctx.grads.add(ctx.name, dy, kernel("rms_norm", ctx.compiled)(x, norm_weight, ctx.eps, w.dtype))
         dx, d_norm = kernel("rms_norm_backward", ctx.compiled)(x, norm_weight, ctx.eps, dy @ w)
         return None, None, None, None, dx, d_norm, None

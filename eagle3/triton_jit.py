@@ -94,3 +94,22 @@ def soft_ce_kernel(logits_ptr, teacher_ptr, rows_ptr, scale_ptr, g_ptr, loss_ptr
         tl.store(g_ptr + r * V + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
     tl.store(loss_ptr + r, p_sum * lse - pl_sum)
     tl.store(top_ptr + r, best_i)
+
+
+@triton.jit
+def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, beta1, beta2, eps, decay, step_size, bias2_sqrt,
+                 HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr)
+    if MAXIMIZE:
+        g = -g
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0) * decay
+    m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
+    v = beta2 * tl.load(v_ptr + offs, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)

@@ -69,14 +69,31 @@ class WeightGrads:
         self.upstream: dict[str, torch.Tensor] = {}  # deferred factor of sums filled in the forward
         self.handed_over = False
 
-    def add(self, name: str, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """sums[name] += dy^T x over the leading dims: dy [..., out], x [..., in] (compute dtype)."""
+    def _check_open(self, name: str) -> None:
         if self.handed_over:
             raise RuntimeError(f"WeightGrads: '{name}' gets a gradient after the sums were handed to the "
                                "parameters (a second backward through one unroll is not supported)")
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        acc_dtype = torch.promote_types(dy.dtype, torch.float32)
-        self.sums[name] = matmul_accumulate(self.sums.get(name), dy2.t(), x2, acc_dtype)
+
+    def add(self, name: str, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """sums[name] += dy^T x over the leading dims: dy [..., out], x [..., in] (compute dtype)."""
+        self._check_open(name)
+        self.sums[name] = matmul_accumulate(self.sums.get(name), *self._operands(dy, x))
+        self.uses[name] = self.uses.get(name, 0) + 1
+
+    @staticmethod
+    def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        return (dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
+                torch.promote_types(dy.dtype, torch.float32))
+
+    def product(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dy^T x over the leading dims in the sums' dtype (fp32 for bf16 operands), not added to any
+        sum (for a gradient that needs the product before it is added: `add_product`)."""
+        return matmul_accumulate(None, *self._operands(dy, x))
+
+    def add_product(self, name: str, g: torch.Tensor) -> None:
+        """sums[name] += g, a gradient made by `product` (then transformed)."""
+        self._check_open(name)
+        self.sums[name] = g if name not in self.sums else self.sums[name].add_(g)
         self.uses[name] = self.uses.get(name, 0) + 1
 
     def set_upstream(self, name: str, factor: torch.Tensor) -> None:

@@ -424,6 +424,38 @@ def test_fast_unroll_matches_reference_unroll(K, options):
         assert relative_max_error(fast_grads[name], want) < 1e-5, name
 
 
+def test_fast_unroll_with_trainable_embeddings_matches_reference():
+    """The embeddings are frozen in training, so q/k/v's embedding half skips its input-gradient GEMM
+    (input_layernorm's weight gradient comes from the weight-gradient product). Made trainable, the
+    embeddings get their gradient through the other branch, and every gradient still matches."""
+    model, batch, rows = unroll_case()
+    model.embed_tokens.weight.requires_grad_(True)
+    args = unroll_args(model, batch, rows)
+    grads = {}
+    for name, unroll in (("ref", ttt_unroll), ("fast", ttt_unroll_fast)):
+        model.zero_grad(set_to_none=True)
+        unroll(*args, 7).loss.backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["ref"]["embed_tokens.weight"].abs().max() > 1e-4
+    for name, want in grads["ref"].items():
+        assert relative_max_error(grads["fast"][name], want) < 1e-5, name
+
+
+def test_norm_weight_grads_matches_autograd():
+    """fast_kernels.norm_weight_grads: from dy^T normalise(x), the gradients of w and of the norm weight
+    of y = rms_norm(x, weight) @ w^T, as autograd gives them (x without a gradient)."""
+    from eagle3.fast_kernels import norm_weight_grads
+
+    g = torch.Generator().manual_seed(3)
+    x, dy = randn(9, 6, g=g), randn(9, 5, g=g)
+    w, weight = randn(5, 6, g=g, requires_grad=True), (1 + randn(6, g=g)).requires_grad_(True)
+    (rms_norm(x, weight, 1e-6, F64) @ w.t()).backward(dy)
+    n = rms_norm(x, torch.ones(6, dtype=F64), 1e-6, F64)
+    d_w, d_weight = norm_weight_grads(dy.t() @ n, w.detach(), weight.detach())
+    torch.testing.assert_close(d_w, w.grad)
+    torch.testing.assert_close(d_weight, weight.grad)
+
+
 def test_fast_unroll_with_more_steps_than_positions_matches_reference():
     """T=5, 7 steps: the later steps have no valid position (empty loss rows)."""
     model, batch, rows = unroll_case(T=5, seed=2)

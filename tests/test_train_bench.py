@@ -79,6 +79,20 @@ def test_anchor_summary_pairs_rows_by_length_and_share():
     assert (mix["fast_vs_anchor"], mix["store_vs_anchor"]) == (1.5, 1.4)
 
 
+def test_anchor_summary_takes_the_median_over_rounds():
+    """--rounds / --anchor-rounds: each tool's tokens/s is the median of its rounds (one slow anchor round
+    no longer sets the ratio), and the anchor's rounds are listed."""
+    bench = load_bench()
+    rows = [{"impl": "fast", "T": 4096, "share": 1.0, "tokens_per_s": v, "round": i}
+            for i, v in enumerate((14000.0, 14400.0, 14300.0))]
+    rows += [{"impl": "specforge", "T": 4096, "share": 1.0, "tokens_per_s": v, "round": i}
+             for i, v in enumerate((9000.0, 9500.0, 9400.0))]
+    (row,) = bench.anchor_summary(rows)
+    assert (row["fast_tokens_per_s"], row["anchor_tokens_per_s"]) == (14300.0, 9400.0)
+    assert row["fast_vs_anchor"] == round(14300 / 9400, 3)
+    assert row["anchor_rounds"] == [9000.0, 9500.0, 9400.0]
+
+
 def test_store_entry_parsing():
     bench = load_bench()
     assert bench.parse_store_entry("4096", 1.0) == (4096, 1.0)

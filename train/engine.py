@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from train.optim import adamw
 from train.schedule import resolve_warmup, warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -64,12 +65,8 @@ def uses_fsdp(accelerator) -> bool:
 
 
 def make_optimizer(params, optim_conf, device: torch.device) -> torch.optim.AdamW:
-    fused = optim_conf.fused
-    if fused is None:
-        fused = device.type == "cuda"
-    extra = {"fused": True} if fused else {"foreach": device.type == "cuda"}
-    return torch.optim.AdamW(params, lr=optim_conf.lr, betas=tuple(optim_conf.betas), eps=optim_conf.eps,
-                             weight_decay=optim_conf.weight_decay, **extra)
+    return adamw(params, lr=optim_conf.lr, betas=optim_conf.betas, eps=optim_conf.eps,
+                 weight_decay=optim_conf.weight_decay, fused=optim_conf.fused, device=device)
 
 
 def _inner(optimizer):
@@ -78,12 +75,13 @@ def _inner(optimizer):
 
 
 def clip_folds_into_step(optimizer, fsdp: bool) -> bool:
-    """Whether clipping can ride on the optimizer step: a fused Adam/AdamW (its kernel divides every
-    gradient by `grad_scale` as it reads it) over whole, un-sharded gradients (not FSDP, whose norm
-    needs the other ranks' shards; under DDP every rank holds the all-reduced gradients)."""
+    """Whether clipping can ride on the optimizer step: a fused Adam/AdamW or train/optim.TritonAdamW
+    (their kernels divide every gradient by `grad_scale` as they read it) over whole, un-sharded
+    gradients (not FSDP, whose norm needs the other ranks' shards; under DDP every rank holds the
+    all-reduced gradients)."""
     inner = _inner(optimizer)
     return (not fsdp and isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
-            and bool(inner.defaults.get("fused")))
+            and bool(inner.defaults.get("fused") or getattr(inner, "applies_grad_scale", False)))
 
 
 def clip_gradients(accelerator, optimizer, params, max_norm: float, fsdp: bool) -> torch.Tensor:

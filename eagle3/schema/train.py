@@ -41,7 +41,7 @@ class OptimConf:
     warmup_steps: Optional[int] = None    # None: warmup_ratio x total steps
     warmup_ratio: float = 0.02
     min_lr_ratio: float = 0.0             # cosine decays to lr x min_lr_ratio
-    fused: Optional[bool] = None          # None: fused AdamW on CUDA, foreach elsewhere
+    fused: Optional[bool] = None          # None: fused on CUDA (train/optim.TritonAdamW), foreach elsewhere
 
     def validate(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
