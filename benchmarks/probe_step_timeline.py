@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_train_step import K2, TINY, build, kernel_table, make_batch, train_step  # noqa: E402
+from train.optim import adamw  # noqa: E402  (the trainer's optimizer: the Triton AdamW on CUDA)
 
 
 def gpu_intervals(events: list[dict]) -> list[tuple[float, float, str, int]]:
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     objective, rows, draft_ids = build(dims, 7, device, bf16=device.type == "cuda")
     objective.compile = device.type == "cuda"
     params = [q for q in objective.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = adamw(params, lr=5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=None, device=device)
     batch = make_batch(dims, 1, args.seq_len, draft_ids, device, mask_frac=args.share)
     amp = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
