@@ -79,18 +79,6 @@ def rope_qkv(qkv_hidden: torch.Tensor, qkv_embed: torch.Tensor, cos: torch.Tenso
     return q, k, v
 
 
-def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The gradient of `rope_qkv`'s q/k/v sum for dq [B,T,h,d], dk / dv [B,T,hkv,d]: [B,T,(h+2hkv)d], the
-    gradient of both qkv_hidden and qkv_embed. Rope's transpose is rope by the opposite angle:
-    (dy1, dy2) -> (dy1 c + dy2 s, dy2 c - dy1 s)."""
-    B, T = dq.shape[:2]
-    c, s = cos[..., : head_dim // 2], sin[..., : head_dim // 2]
-    return torch.cat([rope(dq, c, -s).reshape(B, T, heads * head_dim),
-                      rope(dk, c, -s).reshape(B, T, kv_heads * head_dim),
-                      dv.reshape(B, T, kv_heads * head_dim)], dim=-1)
-
-
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [..., 2I] = cat(gate, up): [..., I] in gate_up's dtype."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -169,7 +157,6 @@ def soft_ce_chunk(logits: torch.Tensor, teacher_probs: torch.Tensor, rows: torch
 _FUNCTIONS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rope_qkv": rope_qkv,
-    "rope_qkv_backward": rope_qkv_backward,
     "rms_norm_backward": rms_norm_backward,
     "swiglu": swiglu,
     "swiglu_backward": swiglu_backward,
@@ -187,7 +174,6 @@ _FUNCTIONS: dict[str, Callable] = {
 VARYING_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
     "rms_norm": ((0, 1),),
     "rope_qkv": ((0, 1), (1, 1), (2, 1), (3, 1)),
-    "rope_qkv_backward": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1)),
     "rms_norm_backward": ((0, 1), (3, 1)),
     "swiglu": ((0, 1),),
     "swiglu_backward": ((0, 1), (1, 1)),

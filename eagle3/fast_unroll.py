@@ -121,24 +121,6 @@ class _SwiGLUDown(torch.autograd.Function):
         return None, None, kernel("swiglu_backward", ctx.compiled)(gate_up, dy @ w_down), None
 
 
-class _RopeQKV(torch.autograd.Function):
-    """fast_kernels.rope_qkv with its backward written out (fast_kernels.rope_qkv_backward: rope by the
-    opposite angle, one gradient for both halves) and compiled on its own: the backward Inductor derived
-    from the compiled forward ran ~3x below the card's bandwidth at Kimi-K2 size (BENCHMARKS.md)."""
-
-    @staticmethod
-    def forward(ctx, compiled: bool, qkv_hidden, qkv_embed, cos, sin, heads: int, kv_heads: int, head_dim: int):
-        ctx.compiled, ctx.dims = compiled, (heads, kv_heads, head_dim)
-        ctx.save_for_backward(cos, sin)
-        return kernel("rope_qkv", compiled)(qkv_hidden, qkv_embed, cos, sin, heads, kv_heads, head_dim)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        cos, sin = ctx.saved_tensors
-        d_qkv = kernel("rope_qkv_backward", ctx.compiled)(dq, dk, dv, cos, sin, *ctx.dims)
-        return None, d_qkv, d_qkv, None, None, None, None, None
-
-
 def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, last: torch.Tensor,
                     target_argmax: torch.Tensor, loss_mask: torch.Tensor, lm_head_rows: torch.Tensor,
                     ttt_length: int = 7, *, step_decay: float = 0.8,
@@ -197,13 +179,12 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     k0 = v0 = diagonal = None
     fallback = TTTCache()
     scaled, sums, corrects = [], [], []
-    final_norm = kernel("loss_rows_norm", compiled)
+    rope_qkv, final_norm = kernel("rope_qkv", compiled), kernel("loss_rows_norm", compiled)
     for k in range(K):
         cos, sin = rope_cos_sin(inv_freq, position_ids + k, dt)
         cos, sin = cos[:, :, None], sin[:, :, None]                           # [B, T, 1, d]
-        q, key, val = _RopeQKV.apply(compiled, _norm_linear(grads, "qkv_hidden", hidden, layer.hidden_norm,
-                                                            w["qkv_hidden"], compiled),
-                                     qkv_embed[:, k:k + T], cos, sin, h, hkv, d)  # [B, T, h|hkv, d]
+        q, key, val = rope_qkv(_norm_linear(grads, "qkv_hidden", hidden, layer.hidden_norm, w["qkv_hidden"], compiled),
+                               qkv_embed[:, k:k + T], cos, sin, h, hkv, d)  # [B, T, h|hkv, d]
         if not flash_supported(q):  # e.g. fp32 on CUDA: the reference attention, the rest stays fast
             attn = fallback.attend(q.transpose(1, 2), key.transpose(1, 2), val.transpose(1, 2)).transpose(1, 2)
         else:

@@ -660,22 +660,3 @@ def test_checked_attention_kernel_falls_back_when_the_check_itself_fails(monkeyp
     monkeypatch.setattr(attention_check, "_cudnn_disagreement", fails)
     with pytest.warns(RuntimeWarning, match="no valid execution plans"):
         assert attention_check.checked_attention_kernel("auto", torch.device("cpu"), torch.bfloat16, 64) == "flash"
-
-
-def test_rope_qkv_backward_is_autograd_of_rope_qkv():
-    """fast_kernels.rope_qkv_backward (the fast unroll's written-out backward) against autograd of
-    rope_qkv, grouped-query heads: the same gradient for both halves, rope by the opposite angle on q/k."""
-    from eagle3.fast_kernels import rope_qkv, rope_qkv_backward
-
-    g = torch.Generator().manual_seed(11)
-    B, T, h, hkv, d = 2, 5, 4, 2, 8
-    hidden = randn(B, T, (h + 2 * hkv) * d, g=g, requires_grad=True)
-    embed = randn(B, T, (h + 2 * hkv) * d, g=g, requires_grad=True)
-    angle = randn(B, T, 1, d // 2, g=g)
-    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    outs = rope_qkv(hidden, embed, cos, sin, h, hkv, d)
-    ups = [randn(*o.shape, g=g) for o in outs]
-    torch.autograd.backward(outs, ups)
-    got = rope_qkv_backward(*ups, cos, sin, h, hkv, d)
-    torch.testing.assert_close(got, hidden.grad)
-    torch.testing.assert_close(got, embed.grad)
