@@ -135,9 +135,10 @@ ADAMW_BLOCK = 4096  # elements per program of the AdamW kernel
 
 
 def adamw_usable(tensors: list[torch.Tensor]) -> bool:
-    """Whether `adamw_update` takes these tensors: CUDA fp32, contiguous, Triton present."""
-    return all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() and t.layout == torch.strided
-               for t in tensors) and triton_available()
+    """Whether `adamw_update` takes these tensors: plain tensors or parameters (not a DTensor's or other
+    subclass's wrapper, whose pointer is not its data), CUDA fp32, contiguous, Triton present."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda and t.dtype == torch.float32
+               and t.is_contiguous() and t.layout == torch.strided for t in tensors) and triton_available()
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

@@ -103,6 +103,17 @@ def test_triton_kernel_matches_torch_fused_adamw_and_leaves_gradients_unscaled(m
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton AdamW kernel runs on CUDA")
+def test_tensor_subclasses_go_to_torchs_step():
+    """A DTensor (FSDP) or any other subclass is not handed to the kernel: its pointer is not its data."""
+    class Wrapped(torch.Tensor):
+        pass
+
+    plain = torch.zeros(4, device="cuda")
+    assert triton_kernels.adamw_usable([plain, torch.nn.Parameter(plain.clone())])
+    assert not triton_kernels.adamw_usable([plain.as_subclass(Wrapped)])
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton AdamW kernel runs on CUDA")
 def test_triton_adamw_through_clip_gradients_matches_clip_then_torch_adamw():
     """train/engine.clip_gradients + optimizer_step with the Triton AdamW = torch's clip, then a plain step."""
     ps, grads = params_and_grads("cuda", seed=4)
