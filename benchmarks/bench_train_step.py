@@ -412,10 +412,15 @@ def find_row(results: list[dict], impl: str, T: int, share: float) -> dict | Non
                  and "tokens_per_s" in r), None)
 
 
+def rounds_tokens_per_s(results: list[dict], impl: str, T: int, share: float) -> list[float]:
+    """The tokens/s of every timed row (round) of impl at (T, share), in order."""
+    return [r["tokens_per_s"] for r in results if r.get("impl") == impl and r["T"] == T and r.get("share") == share
+            and "tokens_per_s" in r]
+
+
 def median_tokens_per_s(results: list[dict], impl: str, T: int, share: float) -> float | None:
     """The median tokens/s over the timed rows (rounds) of impl at (T, share); None where none ran."""
-    got = [r["tokens_per_s"] for r in results if r.get("impl") == impl and r["T"] == T and r.get("share") == share
-           and "tokens_per_s" in r]
+    got = rounds_tokens_per_s(results, impl, T, share)
     return statistics.median(got) if got else None
 
 
@@ -440,9 +445,7 @@ def anchor_summary(results: list[dict]) -> list[dict]:
         row = {"T": T, "share": share, "fast_tokens_per_s": mem, "store_tokens_per_s": store, "anchor_tokens_per_s": sf}
         for k, ours in (("fast_vs_anchor", mem), ("store_vs_anchor", store)):
             row[k] = round(ours / sf, 3) if ours and sf else None
-        anchor_runs = [r["tokens_per_s"] for r in results if r.get("impl") == "specforge" and r["T"] == T
-                       and r.get("share") == share and "tokens_per_s" in r]
-        row["anchor_rounds"] = anchor_runs
+        row["anchor_rounds"] = rounds_tokens_per_s(results, "specforge", T, share)
         out.append(row)
     return out
 

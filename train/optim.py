@@ -41,7 +41,7 @@ class TritonAdamW(torch.optim.AdamW):
                     or isinstance(group["lr"], torch.Tensor):
                 return False
             tensors = [t for p in group["params"] if p.grad is not None for t in (p, p.grad)]
-            if any(t.is_sparse for t in tensors) or not triton_kernels.adamw_usable(tensors):
+            if not triton_kernels.adamw_usable(tensors):  # strided layout only: sparse gradients go to torch
                 return False
         return True
 
