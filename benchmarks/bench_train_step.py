@@ -17,6 +17,8 @@ chosen dims) and peak allocated / reserved memory.
     python benchmarks/bench_train_step.py --impls fast --seq-lens 4096,8192 --store-seq-lens 4096@0.65 --anchor
         # + SpecForge 0.2.0's own step (bench_specforge_anchor.py) at every (T, loss share) timed, in the same
         # process right after this project's, and the tokens/s ratios per (T, share) (issue 22)
+    ... --floor   # + the step's compute floor at each (T, share): its GEMMs and causal attention alone,
+                  # replayed back to back (step_floor.py), and floor / SpecForge: the highest ratio its math allows
 
 Imports only torch, eagle3 core modules and train/engine.py (runs on the GPU image without hydra/wandb/accelerate).
 """
@@ -30,10 +32,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_specforge_anchor, imported by --anchor
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_specforge_anchor (--anchor), step_floor (--floor)
 
 import torch  # noqa: E402
 
+from eagle3.loss import all_loss_positions  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.ttt_flash import resolve_attention_kernel  # noqa: E402
 from eagle3.unroll import TTTObjective  # noqa: E402
@@ -87,6 +90,9 @@ def parse_args(argv=None):
                    help="skip SpecForge's FSDP wrap (its trainer wraps even on one GPU)")
     p.add_argument("--anchor-max-seq-len", type=int, default=None,
                    help="run the anchor only up to this T (longer rows are reported without an anchor)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the step's compute floor at every (T, share) of the fast rows: its GEMMs and "
+                        "causal attention alone, replayed back to back (benchmarks/step_floor.py)")
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="cap this process's GPU memory at this many GB (1e9 bytes; e.g. 96 for an RTX PRO 6000): "
                         "a step that needs more fails with out-of-memory instead of using the H200's 141 GB")
@@ -441,13 +447,37 @@ def anchor_summary(results: list[dict]) -> list[dict]:
     rounds that ran (--rounds, --anchor-rounds), with the rounds' spread."""
     out = []
     for T, share in anchor_pairs(results):  # every fast row; the anchor columns stay empty where it did not run
-        mem, store, sf = (median_tokens_per_s(results, impl, T, share) for impl in ("fast", "fast-from-store", "specforge"))
-        row = {"T": T, "share": share, "fast_tokens_per_s": mem, "store_tokens_per_s": store, "anchor_tokens_per_s": sf}
-        for k, ours in (("fast_vs_anchor", mem), ("store_vs_anchor", store)):
-            row[k] = round(ours / sf, 3) if ours and sf else None
+        mem, store, sf, floor = (median_tokens_per_s(results, impl, T, share)
+                                 for impl in ("fast", "fast-from-store", "specforge", "floor"))
+        row = {"T": T, "share": share, "fast_tokens_per_s": mem, "store_tokens_per_s": store, "anchor_tokens_per_s": sf,
+               "floor_tokens_per_s": floor}
+        for k, ours, base in (("fast_vs_anchor", mem, sf), ("store_vs_anchor", store, sf),
+                              ("floor_vs_anchor", floor, sf), ("fast_vs_floor", mem, floor)):
+            row[k] = round(ours / base, 3) if ours and base else None
         row["anchor_rounds"] = rounds_tokens_per_s(results, "specforge", T, share)
         out.append(row)
     return out
+
+
+def time_floor_row(ctx: dict, T: int, share: float) -> dict:
+    """The compute floor of the fast step on the batch `time_row` gets at (T, share): its GEMMs and causal
+    attention replayed alone (step_floor.time_floor), with the same loss rows per TTT step."""
+    import step_floor
+
+    args, device = ctx["args"], ctx["device"]
+    batch = make_batch(args.dims, args.batch, T, ctx["draft_ids"], device, mask_frac=share)
+    counts = all_loss_positions(batch["loss_mask"], batch["target_argmax"], ctx["objective"].drafter.t2d,
+                                args.ttt).sum(dim=(1, 2)).tolist()
+    del batch
+    kernel_name = resolve_attention_kernel(args.attention_kernel, device, args.dims["head_dim"])
+    dtype = torch.bfloat16 if ctx["autocast"] else torch.float32
+    r = step_floor.time_floor(args.dims, T, args.ttt, counts[1:], counts[0], device, dtype, kernel_name,
+                              iters=args.iters, warmup=args.warmup, batch=args.batch)
+    print(f"{'floor':>10} {T:>6} {share:>5} {r['step_s']:>8.4f}  (GEMMs alone {r['gemm_s']:.4f} s, "
+          f"{r['gemm_tflop']:.1f} TFLOP at {r['gemm_tflops']:.0f} TFLOP/s; attention alone {r['attention_s']:.4f} s, "
+          f"{r['attention_tflop']:.1f} TFLOP at {r['attention_tflops']:.0f} TFLOP/s) {r['tokens_per_s']:>9.0f} tok/s",
+          flush=True)
+    return {"impl": "floor", "T": T, "share": share, **r}
 
 
 def free_objective(ctx: dict) -> None:
@@ -605,21 +635,26 @@ def main(argv=None) -> list[dict]:
               f"{row['loader_wait_s']:.4f} s/step, loader alone {row['loader_alone_batches_per_s']} batches/s, "
               f"peak reserved {row['peak_reserved_gib']} GiB", flush=True)
     results += [dict(r, impl="fast-from-store") for r in store_rows]
+    if args.floor:
+        results += [time_floor_row(ctx, T, share) for T, share in anchor_pairs(results)]
     summary = None
-    if args.anchor:
-        pairs = anchor_pairs(results, args.anchor_max_seq_len)
-        free_objective(ctx)
-        results += run_anchor(ctx, pairs)
+    if args.anchor or args.floor:
+        if args.anchor:
+            pairs = anchor_pairs(results, args.anchor_max_seq_len)
+            free_objective(ctx)
+            results += run_anchor(ctx, pairs)
         summary = anchor_summary(results)
         print(f"same run, tokens/s: {'T':>6} {'share':>5} {'fast':>9} {'from store':>10} {'SpecForge':>9} "
-              f"{'fast/SF':>8} {'store/SF':>8}")
+              f"{'fast/SF':>8} {'store/SF':>8} {'floor':>9} {'floor/SF':>8} {'fast/floor':>10}")
         for s in summary:
-            cells = [f"{s[k]:.0f}" if s[k] else "-" for k in ("fast_tokens_per_s", "store_tokens_per_s", "anchor_tokens_per_s")]
-            ratios = [f"{s[k]:.2f}x" if s[k] else "-" for k in ("fast_vs_anchor", "store_vs_anchor")]
+            cells = [f"{s[k]:.0f}" if s[k] else "-" for k in ("fast_tokens_per_s", "store_tokens_per_s",
+                                                              "anchor_tokens_per_s", "floor_tokens_per_s")]
+            ratios = [f"{s[k]:.2f}x" if s[k] else "-" for k in ("fast_vs_anchor", "store_vs_anchor", "floor_vs_anchor")]
+            of_floor = f"{s['fast_vs_floor']:.1%}" if s["fast_vs_floor"] else "-"
             spread = (f"  (anchor rounds {', '.join(f'{x:.0f}' for x in s['anchor_rounds'])})"
                       if len(s["anchor_rounds"]) > 1 else "")
             print(f"{'':>19} {s['T']:>6} {s['share']:>5} {cells[0]:>9} {cells[1]:>10} {cells[2]:>9} {ratios[0]:>8} "
-                  f"{ratios[1]:>8}{spread}", flush=True)
+                  f"{ratios[1]:>8} {cells[3]:>9} {ratios[2]:>8} {of_floor:>10}{spread}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dims": args.dims, "ttt": args.ttt, "batch": args.batch,
                                                "mask_frac": args.mask_frac, "device": str(device), "check": check,

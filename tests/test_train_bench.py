@@ -23,7 +23,7 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
         out = tmp_path / "bench.json"
         res = bench.main(["--tiny", "--seq-lens", "16,32", "--iters", "1", "--warmup", "0", "--ttt", "3",
                           "--device", "cpu", "--check-seq-len", "24", "--store-seq-lens", "16@0.65", "--store-steps", "2",
-                          "--store-dir", str(tmp_path / "store"), "--anchor", "--json", str(out)])
+                          "--store-dir", str(tmp_path / "store"), "--anchor", "--floor", "--json", str(out)])
     finally:
         torch.set_num_threads(n)
     timed = [r for r in res if r["impl"] in ("fast", "reference")]
@@ -53,6 +53,13 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     assert [(a["T"], a["share"], a["anchor_tokens_per_s"], a["fast_vs_anchor"]) for a in report["anchor"]] == [
         (16, 1.0, None, None), (32, 1.0, None, None), (16, 0.65, None, None)]
     assert report["anchor"][2]["store_tokens_per_s"] == store_row["tokens_per_s"]
+    # --floor: the step's GEMMs + attention alone at every (T, share) of the fast rows, beside the measured step
+    floors = [r for r in res if r["impl"] == "floor"]
+    assert [(r["T"], r["share"]) for r in floors] == [(16, 1.0), (32, 1.0), (16, 0.65)]
+    for r, a in zip(floors, report["anchor"]):
+        assert r["gemm_s"] > 0 and r["attention_s"] > 0 and r["n_gemms"] == 3 * 15 + 5
+        assert a["floor_tokens_per_s"] == r["tokens_per_s"] and a["floor_vs_anchor"] is None
+        assert a["fast_vs_floor"] == pytest.approx(a["fast_tokens_per_s"] / r["tokens_per_s"], abs=1e-3)
     # issue 9's FLOP formula at K2 dims: 6 x 1.0368e9 x T x 7 + 344,064 x T^2 (+ fc once per token)
     k2 = bench.K2
     T = 4096
