@@ -430,6 +430,16 @@ def median_tokens_per_s(results: list[dict], impl: str, T: int, share: float) ->
     return statistics.median(got) if got else None
 
 
+def fast_vs_reference(results: list[dict], seq_lens: list[int], share: float) -> dict[int, float]:
+    """fast / reference tokens/s per T where both ran, each the median over the rounds (as the anchor ratios)."""
+    out = {}
+    for T in seq_lens:
+        fast, ref = (median_tokens_per_s(results, impl, T, share) for impl in ("fast", "reference"))
+        if fast and ref:
+            out[T] = round(fast / ref, 3)
+    return out
+
+
 def anchor_pairs(results: list[dict], max_seq_len: int | None = None) -> list[tuple[int, float]]:
     """The (T, loss share) pairs the anchor must run at: every timed fast row (up to max_seq_len), in
     order, once each."""
@@ -600,12 +610,7 @@ def main(argv=None) -> list[dict]:
             use_impl(ctx["objective"], impl, args.attention_kernel)
             for T in args.seq_lens:
                 results.append(dict(time_row(ctx, impl, T, args.mask_frac), round=rnd))
-    speedups = {}
-    for row in results:
-        if row.get("impl") == "fast" and "tokens_per_s" in row:
-            ref = find_row(results, "reference", row["T"], row["share"])
-            if ref:
-                speedups[row["T"]] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
+    speedups = fast_vs_reference(results, args.seq_lens, args.mask_frac)
     if speedups:
         print("fast / reference tokens/s: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in speedups.items()))
     use_impl(ctx["objective"], "fast", args.attention_kernel)

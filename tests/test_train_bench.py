@@ -98,6 +98,10 @@ def test_anchor_summary_takes_the_median_over_rounds():
     assert (row["fast_tokens_per_s"], row["anchor_tokens_per_s"]) == (14300.0, 9400.0)
     assert row["fast_vs_anchor"] == round(14300 / 9400, 3)
     assert row["anchor_rounds"] == [9000.0, 9500.0, 9400.0]
+    # fast / reference too: medians of both (a first round that ran cold does not set it); T without both: absent
+    rows += [{"impl": "reference", "T": 4096, "share": 1.0, "tokens_per_s": v, "round": i}
+             for i, v in enumerate((5000.0, 7000.0, 7100.0))]
+    assert bench.fast_vs_reference(rows, [4096, 8192], 1.0) == {4096: round(14300 / 7000, 3)}
 
 
 def test_store_entry_parsing():
