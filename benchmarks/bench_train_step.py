@@ -280,11 +280,17 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
+def is_range(name: str) -> bool:
+    """Whether a profiler row with device time is a range over kernels, not a kernel: "## Call CompiledFxGraph"
+    and the like, and torch's optimizer ranges ("Optimizer.step#TritonAdamW.step"); counted, they would count
+    their kernels twice."""
+    return name.startswith(("## ", "Optimizer."))
+
+
 def kernel_table(prof, top: int) -> str:
     """CUDA kernels of a profile: per category, then the `top` kernels by total time (ms)."""
     rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total > 0 and e.device_type.name == "CUDA"
-            and not e.key.startswith("## ")]  # ranges such as "## Call CompiledFxGraph" would count kernels twice
+            if e.self_device_time_total > 0 and e.device_type.name == "CUDA" and not is_range(e.key)]
     total = sum(r[2] for r in rows)
     kinds: dict[str, float] = {}
     for name, _, ms in rows:

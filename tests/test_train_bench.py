@@ -125,6 +125,9 @@ def test_profile_kernel_categories():
     assert bench.kernel_kind("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>") == "attention"
     assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
     assert bench.kernel_kind("some_new_kernel") == "other"
+    # ranges over kernels are not kernels (the optimizer's range once counted the AdamW kernel twice)
+    assert bench.is_range("Optimizer.step#TritonAdamW.step") and bench.is_range("## Call CompiledFxGraph abc ##")
+    assert not bench.is_range("adamw_kernel") and not bench.is_range("triton_poi_fused_mul_silu_split_0")
 
 
 def load_probe(name: str):
