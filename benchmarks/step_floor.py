@@ -3,15 +3,15 @@
 `eagle3/fast_unroll.ttt_unroll_fast` at given dimensions runs a fixed list of GEMMs (the forward's
 projections, the fused CE's three products per chunk, each step's input- and weight-gradient products,
 the weight gradients accumulated in fp32 with beta = 1) and 7 causal attention calls forward and
-backward. `step_gemms` lists them with the operand layouts the step uses (x @ W^T forward, dy @ W input
-gradients, dy^T x weight gradients), and `time_floor` runs exactly that list, with the attention, as a
+backward. `step_ops` lists them in order with the operand layouts the step uses (x @ W^T forward, dy @ W input
+gradients, dy^T x weight gradients) and marks where the attention runs; `time_floor` runs that list as a
 sustained sequence of whole steps on random operands: nothing else (no norms, rope, SwiGLU, merges,
 soft CE, adds, copies, optimizer). Its tokens/s is what the step would reach if every memory-bound
 kernel took no time, so `floor / anchor` is the highest ratio this step's math can give on that card
 (bench_train_step.py --floor prints it beside the measured ratio, in the same run).
 
-tests/test_step_floor.py checks the list against the real unroll: the GEMM FLOPs that
-torch.utils.flop_counter counts while `ttt_unroll_fast` runs forward and backward equal this list's.
+tests/test_step_floor.py checks the list against the real unroll: the (m, k, n) of every mm / addmm /
+addmm_ dispatched while `ttt_unroll_fast` runs forward and backward equal this list's, as a multiset.
 
 Imports only torch and this repository's core code.
 """

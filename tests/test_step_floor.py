@@ -1,27 +1,13 @@
 """benchmarks/step_floor.py lists exactly the GEMMs the fast unroll runs, and its replay runs (CPU, tiny dims)."""
-import importlib.util
-import sys
 from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagle3 import REPO_ROOT
 from eagle3.fast_unroll import ttt_unroll_fast
 from eagle3.loss import all_loss_positions
-
-
-def load(name):
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # a dataclass resolves its module by name
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+from tests.fixtures.benchmarks import load_benchmark as load
 
 
 class GemmShapes(TorchDispatchMode):

@@ -1,18 +1,14 @@
 """benchmarks/bench_train_step.py runs on CPU at tiny dims and reports every phase."""
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from eagle3 import REPO_ROOT
+from tests.fixtures.benchmarks import load_benchmark
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", REPO_ROOT / "benchmarks" / "bench_train_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("bench_train_step")
 
 
 def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
@@ -130,18 +126,9 @@ def test_profile_kernel_categories():
     assert not bench.is_range("adamw_kernel") and not bench.is_range("triton_poi_fused_mul_silu_split_0")
 
 
-def load_probe(name: str):
-    import sys
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # the probes import bench_train_step by name
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
-
-
 def test_timeline_probe_counts_busy_time_once_and_finds_the_gaps():
     """Overlapping kernels (two streams) count once; gaps between them and at the ends are reported."""
-    probe = load_probe("probe_step_timeline")
+    probe = load_benchmark("probe_step_timeline")
     iv = [(10.0, 20.0, "a", 1), (15.0, 25.0, "b", 2), (40.0, 50.0, "c", 3)]
     busy, gaps = probe.idle_gaps(iv, 0.0, 60.0, min_us=1.0)
     assert busy == 25.0
@@ -150,7 +137,7 @@ def test_timeline_probe_counts_busy_time_once_and_finds_the_gaps():
 
 
 def test_memory_probe_replays_the_allocator_to_its_peak():
-    probe = load_probe("probe_step_memory")
+    probe = load_benchmark("probe_step_memory")
     trace = [{"action": "alloc", "addr": 1, "size": 10}, {"action": "alloc", "addr": 2, "size": 5},
              {"action": "free_requested", "addr": 1, "size": 10}, {"action": "alloc", "addr": 3, "size": 8}]
     peak, at, live = probe.live_at_peak(trace)
