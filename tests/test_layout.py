@@ -28,7 +28,7 @@ PROJECT_FOLDERS = ("eagle3",) + STAGE_FOLDERS + ("benchmarks", "tests")
 # schemas (every eagle3/schema/*.py) are added below.
 TORCH_FREE = ("eagle3", "eagle3.aux_layers", "eagle3.choices", "eagle3.conf", "eagle3.cost_model",
               "eagle3.cpu_threads", "eagle3.drafter_keys", "eagle3.errors", "eagle3.hooks", "eagle3.manifest",
-              "eagle3.stages", "eagle3.replay", "eagle3.real_loop")
+              "eagle3.stages", "eagle3.replay", "eagle3.real_loop", "eagle3.images", "eagle3.media_tokens")
 
 
 def module_name(path: Path) -> str:
