@@ -16,6 +16,8 @@ from typing import Optional
 from data.conversations import (ROLE_MAP, SKIP_REASONS, Conversation, PrepareError, ReadInfo, Skip, SkipCounter,
                                 conversation_from_record, read_conversations)
 from data.template_encoder import Encoded, TemplateEncoder
+from eagle3.world import (TokenHash, combine, deterministic_algorithms, deterministic_ops_note, target_part,
+                          world_fingerprint)
 
 __all__ = ["ROLE_MAP", "SKIP_REASONS", "Conversation", "Encoded", "PrepareError", "ReadInfo", "Skip", "SkipCounter",
            "TemplateEncoder", "conversation_from_record", "input_fingerprint", "is_validation", "load_tokenizer",
@@ -75,10 +77,12 @@ class SplitWriter:
         self.path = str(tmp_dir) + ".arrow"
         self.writer = ArrowWriter(features=self.features, path=self.path)
         self.rows = self.tokens = self.loss_tokens = self.truncated = 0
+        self.token_hash = TokenHash()
 
     def add(self, conv_id: str, enc: Encoded) -> None:
         self.writer.write({"id": conv_id, "input_ids": enc.input_ids, "loss_mask": enc.loss_mask,
                            "prompt_len": enc.prompt_len})
+        self.token_hash.add(conv_id, enc.input_ids, enc.loss_mask)
         self.rows += 1
         self.tokens += len(enc.input_ids)
         self.loss_tokens += int(enc.loss_mask.sum())
@@ -94,7 +98,7 @@ class SplitWriter:
         ds.save_to_disk(str(out_dir), num_shards=1 if self.rows == 0 else None)
         del ds
         return {"conversations": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-                "truncated": self.truncated}
+                "truncated": self.truncated, "token_sha256": self.token_hash.hexdigest()}
 
 
 ENCODE_CHUNK = 256  # conversations tokenized per tokenizer call
@@ -156,11 +160,12 @@ def run_prepare(cfg) -> Path:
     encoder = TemplateEncoder(tokenizer, cfg.max_length, cfg.on_overlong)
     skips, info = SkipCounter(cfg.num_examples_shown), ReadInfo()
     convs = read_conversations(src, skips, info, cfg.max_records)
-    regen_stats = None
+    regen_stats, nondeterministic = None, []
     if cfg.regenerate.backend != "none":
         from data.regenerate import regenerate_conversations
 
-        convs, regen_stats = regenerate_conversations(list(convs), cfg, tokenizer, skips)
+        with deterministic_algorithms(nondeterministic):  # the same greedy text on a rerun (eagle3/world.py)
+            convs, regen_stats = regenerate_conversations(list(convs), cfg, tokenizer, skips)
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tmp-prepare-{os.getpid()}"
@@ -200,7 +205,10 @@ def run_prepare(cfg) -> Path:
               "tokens": sum(s["tokens"] for s in splits.values()),
               "loss_tokens": sum(s["loss_tokens"] for s in splits.values()),
               "truncated": sum(s["truncated"] for s in splits.values())}
-    write_manifest(out, "prepare", cfg, counts=counts, splits=splits, skip_examples=skips.examples,
+    world = world_fingerprint(target_part(Path(cfg.target.path)),
+                              combine({name: s["token_sha256"] for name, s in splits.items()}))
+    write_manifest(out, "prepare", cfg, counts=counts, splits=splits, skip_examples=skips.examples, world=world,
+                   determinism={"regenerate": deterministic_ops_note(nondeterministic), "ops": nondeterministic},
                    reader=info.stats.as_dict(), fingerprints=fingerprints, regenerate=regen_stats,
                    tokenizer={"path": cfg.target.tokenizer, "len": len(tokenizer)},
                    columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply"})

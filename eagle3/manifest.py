@@ -75,9 +75,15 @@ def fingerprint(stage_dir: Path) -> str:
 def write_manifest(stage_dir: Path, stage: str, config: Any, inputs: dict[str, Path] | None = None,
                    **fields: Any) -> dict:
     """Write `<stage_dir>/manifest.json`. `inputs` maps a role to an input stage directory,
-    recorded with its fingerprint so a later run can tell whether its inputs changed."""
+    recorded with its fingerprint so a later run can tell whether its inputs changed; the inputs'
+    world fingerprint (eagle3/world.py) is carried into this manifest unless `fields` names one."""
     from eagle3.conf import as_plain_dict
+    from eagle3.world import WORLD_KEY, world_of_inputs
 
+    if WORLD_KEY not in fields:  # the world of the inputs, carried forward (eagle3/world.py)
+        world = world_of_inputs((read_manifest(p) for p in (inputs or {}).values()), f"{stage} stage")
+        if world is not None:
+            fields = {**fields, WORLD_KEY: world}
     manifest = {
         "stage": stage,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

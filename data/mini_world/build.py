@@ -25,6 +25,7 @@ from eagle3.cpu_threads import auto_threads
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
 from eagle3.schema.mini_world import MiniWorldConfig
+from eagle3.world import deterministic_algorithms, deterministic_ops_note, weights_fingerprint
 
 from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
@@ -203,8 +204,11 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     enc = _encode_parts(cfg, tok, parts)
     stages.times["encode"] = time.perf_counter() - t
 
-    k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)
-    k25 = _model_stage(cfg, out, stages, tok, "k25-mini", enc[CODE]["train"], cfg.k25_train, base=k2)
+    nondeterministic: list[str] = []
+    with deterministic_algorithms(nondeterministic):  # same seed, same weights (eagle3/world.py)
+        k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)
+        k25 = _model_stage(cfg, out, stages, tok, "k25-mini", enc[CODE]["train"], cfg.k25_train, base=k2)
+    weights = {name: weights_fingerprint(out / name) for name in MODEL_DIRS.values()}
 
     t = time.perf_counter()
     for kind in (PROSE, CODE):
@@ -231,10 +235,12 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
                    for n, m in (("k2-mini", k2), ("k25-mini", k25))},
         "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads, "device": str(device),
         "times_s": {k: round(v, 1) for k, v in stages.times.items()},
+        "weights": weights, "determinism": {"ops": nondeterministic, "note": deterministic_ops_note(nondeterministic)},
     }
     atomic_write_json(out / "report.json", report)
     write_manifest(out, STAGE, cfg, build_key=key, source=str(src), source_read=stats.as_dict(),
-                   counts=split.counts(), torch_threads=threads,
+                   counts=split.counts(), torch_threads=threads, weights=weights,
+                   determinism=report["determinism"],
                    artifacts=["tokenizer", "k2-mini", "k25-mini", "corpus", "report.json"])
     print(format_report(report), flush=True)
     return out
@@ -352,5 +358,7 @@ def format_report(r: dict) -> str:
     for n in names:
         lines.append(f"  {n:<21} " + "".join(f"{r['perplexity'][n][d]['ppl']:>12.2f}" for d in dists))
     lines.append(f"  {'unigram baseline':<21} " + "".join(f"{r['unigram_perplexity'][d]:>12.2f}" for d in dists))
+    lines.append("  weights: " + ", ".join(f"{n} {fp}" for n, fp in r.get("weights", {}).items())
+                 + f"; {r.get('determinism', {}).get('note', '')}")
     lines.append("  times (s): " + ", ".join(f"{k} {v}" for k, v in r["times_s"].items()))
     return "\n".join(lines)

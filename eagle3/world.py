@@ -1,0 +1,159 @@
+"""The world a result comes from, and building it deterministically: the one home of both.
+
+A *world* is what every later number depends on besides training seeds: the target's weights and
+the prepared token ids (tokenizer, regenerated corpus, chat template and masks included). Its
+*fingerprint* is {"target": <weights hash>, "data": <token-id hash>}; prepare writes it, every later
+stage copies it from its inputs' manifests (`world_of_inputs`, called by `write_manifest`), and the
+study refuses to pool records whose worlds differ (eval/study_report.py).
+
+Deterministic builds: `deterministic_algorithms()` turns on torch's deterministic algorithms for a
+block (warn-only: an op with no deterministic kernel still runs) and records every op that warned,
+so a manifest says which ops could make two builds on one machine differ. On the CPU every op the
+builds use is deterministic for a fixed thread count; on CUDA cuBLAS needs CUBLAS_WORKSPACE_CONFIG
+set before its first use (set here when unset; a process that already used cuBLAS gets torch's
+warning, recorded like any other).
+
+Pure standard library (+ torch only inside `deterministic_algorithms`).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import struct
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from eagle3.errors import StageError
+
+WORLD_KEY = "world"                      # the manifest field
+CUBLAS_WORKSPACE = ":4096:8"             # torch's documented setting for deterministic cuBLAS
+FULL_HASH_LIMIT = 2 << 30                # weights up to 2 GiB are hashed whole; larger ones sampled
+SAMPLE_BYTES = 1 << 20
+_NONDETERMINISTIC = re.compile(r"^(.*?) does not have a deterministic implementation")
+
+
+class WorldMismatch(StageError, ValueError):
+    """Inputs, or study records, that come from different worlds."""
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """sha256 (16 hex) of a checkpoint's weights: every `*.safetensors` file's name and size and its
+    bytes (whole up to FULL_HASH_LIMIT in all; else each file's header plus 1 MiB at the start, middle
+    and end of its data, enough to tell a retrained model: training changes every tensor)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to fingerprint")
+    whole = sum(f.stat().st_size for f in files) <= FULL_HASH_LIMIT
+    h = hashlib.sha256(b"whole" if whole else b"sampled")
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if whole:
+                while block := fh.read(1 << 20):
+                    h.update(block)
+                continue
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            h.update(fh.read(header_len))
+            start = 8 + header_len
+            for at in (start, start + (size - start) // 2, max(start, size - SAMPLE_BYTES)):
+                fh.seek(at)
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+class TokenHash:
+    """sha256 over rows of token ids in order (id, input_ids, loss_mask): prepare feeds every row it
+    writes, per split, so two prepared sets share a hash exactly when their rows are identical."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.rows = 0
+
+    def add(self, row_id: str, input_ids, loss_mask) -> None:
+        import numpy as np
+
+        self._h.update(row_id.encode() + b"\0")
+        self._h.update(np.asarray(input_ids, dtype=np.int64).tobytes())
+        self._h.update(np.asarray(loss_mask, dtype=np.uint8).tobytes())
+        self.rows += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()[:16]
+
+
+def combine(parts: dict[str, str]) -> str:
+    """One 16-hex digest of named parts (order-independent)."""
+    return hashlib.sha256("|".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()).hexdigest()[:16]
+
+
+def world_fingerprint(target_weights: str, data: str) -> dict:
+    """The manifest record of a world: its two parts and their combined `id`."""
+    return {"target": target_weights, "data": data, "id": combine({"target": target_weights, "data": data})}
+
+
+def world_of_inputs(manifests: Iterable[dict], where: str) -> Optional[dict]:
+    """The world shared by a stage's input manifests (None if none records one). Inputs from two
+    different worlds are refused: a stage must never join data of one world with another's."""
+    seen: dict[str, dict] = {}
+    for m in manifests:
+        w = m.get(WORLD_KEY)
+        if w:
+            seen.setdefault(w["id"], {**w, "stage": m.get("stage")})
+    if len(seen) > 1:
+        desc = "; ".join(f"{w['stage']}: world {i} (target {w['target']}, data {w['data']})" for i, w in seen.items())
+        raise WorldMismatch(f"{where}: the inputs come from different worlds ({desc}); rerun the stages "
+                            "after the one that changed so every input is built from the same target and data")
+    if not seen:
+        return None
+    w = next(iter(seen.values()))
+    return {k: w[k] for k in ("target", "data", "id")}
+
+
+def target_part(model_dir: Path) -> str:
+    """The world's target part: the weights' fingerprint, or `unread:<dir>` where the directory holds no
+    safetensors weights (a stage that only needs the tokenizer, run before the weights are there)."""
+    try:
+        return weights_fingerprint(model_dir)
+    except FileNotFoundError:
+        return f"unread:{Path(model_dir).name}"
+
+
+def deterministic_ops_note(ops: list[str]) -> str:
+    return ("deterministic (every op had a deterministic implementation)" if not ops else
+            "ops without a deterministic implementation ran: " + ", ".join(ops))
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(record: list[str]) -> Iterator[None]:
+    """Deterministic torch algorithms inside the block, warn-only; the name of every op that has no
+    deterministic implementation on this device is appended (once) to `record`. Restores torch's
+    previous settings on exit."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[2], prev[3]
+        for w in caught:
+            msg = str(w.message)
+            m = _NONDETERMINISTIC.match(msg)
+            name = m.group(1) if m else ("cuBLAS without CUBLAS_WORKSPACE_CONFIG" if "CUBLAS_WORKSPACE_CONFIG"
+                                         in msg else None)
+            if name is not None:
+                if name not in record:
+                    record.append(name)
+            else:  # not ours: hand it back to the caller's filters
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
