@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from data.image_messages import openai_messages
 from data.regen_common import GenerationFailed, RegenerateError
 
 
@@ -80,7 +81,8 @@ class ChatClient:
         """(assistant text, finish_reason, reasoning or None) for one prompt; GenerationFailed
         after the retries."""
         httpx = self._httpx
-        body = {"model": self.model, "messages": messages, "stream": False, **self.params}
+        # a user turn's images travel as image_url parts (data URIs) before its text
+        body = {"model": self.model, "messages": openai_messages(messages), "stream": False, **self.params}
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             retry_after = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from data.image_messages import image_part_source, load_image, place_record_images, record_images
 from eagle3.errors import StageError
 
 
@@ -33,6 +34,12 @@ SKIP_REASONS = (
     "tokenizer_error",  # the tokenizer raised on this conversation's rendering
     "template_not_prefix_stable",  # the loss mask cannot be derived from the template (see module doc)
     "regen_failed",  # regeneration gave up on this conversation (after retries)
+    "missing_image",  # an image reference that names no file (or is not a string)
+    "undecodable_image",  # bytes no image decoder reads (or a data URI that is not base64)
+    "oversized_image",  # an image file / decoded image over the size limit (eagle3/images.py)
+    "remote_image",  # an http(s) image URL: nothing is downloaded; inline it as a data URI
+    "image_unsupported",  # an image for a target that reads none (text-only K2), or one outside a user turn
+    "image_token_mismatch",  # <|media_pad|> runs that do not match the images' counts, or <image> markers the images
 )
 
 
@@ -53,7 +60,7 @@ class Skip(Exception):
 class Conversation:
     """A validated conversation: template roles, string contents, ends with an assistant turn."""
     id: str
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str[, "images": [data URI]]}, ...]
     location: str = ""  # where it came from (file:line), for messages
 
     @property
@@ -113,18 +120,43 @@ def _role(role: Any) -> Any:
     return ROLE_MAP.get(role.strip().lower(), role) if isinstance(role, str) else role
 
 
-def _content_text(content: Any, k: int) -> str:
-    """A message's content as a string. OpenAI-style lists of text parts are joined; anything
-    else that is not a string (null, numbers, images, dicts) is a `non_string_content` skip."""
+def _content_text(content: Any, k: int) -> tuple[str, list]:
+    """A message's content as a string and its image references. OpenAI-style lists of text and image
+    parts (data/image_messages.py) are split into the joined text and the images; anything else that is
+    not a string (null, numbers, dicts, unknown parts) is a `non_string_content` skip."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return content, []
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        texts, refs = [], []
+        for p in content:
+            if p.get("type") == "text" and isinstance(p.get("text"), str):
+                texts.append(p["text"])
+            elif (ref := image_part_source(p)) is not None:
+                refs.append(ref)
+            else:
+                break
+        else:
+            return "".join(texts), refs
     raise Skip("non_string_content", f"message {k} has content of type {type(content).__name__}")
 
 
-def conversation_from_record(value: Any, fallback_id: str, location: str = "") -> tuple[Conversation, int, int]:
+def _load_images(messages: list[dict], base_dir: Optional[Path]) -> None:
+    """Read, decode and size-check every image of the messages (data/image_messages.py), in place."""
+    from eagle3.images import ImageError
+
+    for k, m in enumerate(messages):
+        if not m.get("images"):
+            continue
+        if m["role"] != "user":
+            raise Skip("image_unsupported", f"message {k} ({m['role']}) has an image; images go in user turns")
+        try:
+            m["images"] = [load_image(ref, base_dir) for ref in m["images"]]
+        except ImageError as e:
+            raise Skip(e.reason, f"message {k}: {e.detail}") from e
+
+
+def conversation_from_record(value: Any, fallback_id: str, location: str = "",
+                             base_dir: Optional[Path] = None) -> tuple[Conversation, int, int]:
     """Validate one raw record (ShareGPT `{"id", "conversations": [{"from", "value"}]}` or
     OpenAI-style `{"id", "messages": [{"role", "content"}]}`) into a Conversation.
 
@@ -132,7 +164,8 @@ def conversation_from_record(value: Any, fallback_id: str, location: str = "") -
     chats into parts that start mid-way; a system prompt is context, not a question): they are
     dropped, and a system prompt before them is kept. Messages after the last assistant turn carry
     no loss and are dropped too. Returns the conversation, the number of leading assistant turns
-    dropped and the number of trailing messages dropped; raises Skip for a bad record."""
+    dropped and the number of trailing messages dropped; raises Skip for a bad record. Images (relative
+    paths resolved against `base_dir`) are read and checked here (data/image_messages.py)."""
     if not isinstance(value, dict):
         raise Skip("not_a_conversation", f"record is a {type(value).__name__}, not an object")
     turns = _one_of(value, ("conversations", "messages"), "the record")
@@ -151,8 +184,13 @@ def conversation_from_record(value: Any, fallback_id: str, location: str = "") -
         role = _role(_one_of(turn, ("from", "role"), f"message {k}", _role))
         if role not in ("user", "assistant", "system"):
             raise Skip("unknown_role", f"message {k} has role {role!r}")
-        content = _content_text(_one_of(turn, ("value", "content"), f"message {k}"), k)
+        content, refs = _content_text(_one_of(turn, ("value", "content"), f"message {k}"), k)
         messages.append({"role": role, "content": _check_encodable(content, f"message {k}")})
+        if refs:
+            messages[-1]["images"] = refs
+    if (problem := place_record_images(messages, record_images(value))) is not None:
+        raise Skip("image_token_mismatch", problem)
+    _load_images(messages, base_dir)
     if not messages or all(not m["content"].strip() for m in messages):
         raise Skip("empty_conversation", f"{len(messages)} messages, none with text")
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
@@ -181,6 +219,7 @@ def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Op
 
     info.stats, seen = ReadStats(), set()
     name = Path(path).name
+    base_dir = Path(path).parent if Path(path).is_file() else Path(path)
     for rec in iter_raw_records(path, info.stats):
         if max_records is not None and info.records >= max_records:
             break
@@ -189,7 +228,8 @@ def read_conversations(path, skips: SkipCounter, info: ReadInfo, max_records: Op
             skips.add("malformed", rec.location, rec.error)
             continue
         try:
-            conv, leading, trailing = conversation_from_record(rec.value, f"{name}:{rec.index}", rec.location)
+            conv, leading, trailing = conversation_from_record(rec.value, f"{name}:{rec.index}", rec.location,
+                                                               base_dir)
         except Skip as s:
             skips.add(s.reason, rec.location, s.detail)
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from data.image_messages import has_images
 from data.regen_common import ROUND_TRIP, GenerationFailed, RegenerateError
 from data.round_trip import last_segment, round_trip_len, round_trip_stop
 
@@ -53,6 +54,9 @@ class HFGenerator:
                  seed: Optional[int] = None) -> list[tuple[str, str, Optional[str]]]:
         """(text, finish_reason "stop" | "length", reasoning or None) per message list."""
         torch = self._torch
+        if any(has_images(m) for m in prompts):
+            raise GenerationFailed("image conversation: the hf backend does not feed images to the target yet; "
+                                   "regenerate it through a server (regenerate.backend=openai)")
         max_new = max_new_tokens or self.max_new_tokens
         temp = self.temperature if temperature is None else temperature
         texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]

@@ -15,7 +15,9 @@ from typing import Optional
 
 from data.conversations import (ROLE_MAP, SKIP_REASONS, Conversation, PrepareError, ReadInfo, Skip, SkipCounter,
                                 conversation_from_record, read_conversations)
+from data.image_messages import conversation_images, has_images, images_kept
 from data.template_encoder import Encoded, TemplateEncoder
+from eagle3.images import media_pad_count
 from eagle3.world import (TokenHash, combine, deterministic_algorithms, deterministic_ops_note, target_part,
                           world_fingerprint)
 
@@ -37,6 +39,9 @@ def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 FEATURES_SPEC = {"id": "string", "input_ids": "int32", "loss_mask": "uint8", "prompt_len": "int32"}
+# An image conversation's images, in LM order (empty lists for text): the encoded bytes as read, and
+# image_grid_thw flattened (3 per image); pixel_values follow from both by eagle3/images.py's rule.
+IMAGE_FEATURES_SPEC = {"images": "binary", "image_grid_thw": "int32"}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -73,15 +78,21 @@ class SplitWriter:
         from datasets.arrow_writer import ArrowWriter
 
         self.features = datasets.Features({k: datasets.Value(v) if k in ("id", "prompt_len") else
-                                           datasets.Sequence(datasets.Value(v)) for k, v in FEATURES_SPEC.items()})
+                                           datasets.Sequence(datasets.Value(v))
+                                           for k, v in {**FEATURES_SPEC, **IMAGE_FEATURES_SPEC}.items()})
         self.path = str(tmp_dir) + ".arrow"
         self.writer = ArrowWriter(features=self.features, path=self.path)
-        self.rows = self.tokens = self.loss_tokens = self.truncated = 0
+        self.rows = self.tokens = self.loss_tokens = self.truncated = self.images = self.image_tokens = 0
         self.token_hash = TokenHash()
 
-    def add(self, conv_id: str, enc: Encoded) -> None:
+    def add(self, conv_id: str, enc: Encoded, images: tuple[list, list] = ([], [])) -> None:
+        """`images`: (encoded bytes, image_grid_thw rows) of the images in the kept tokens."""
+        data, grids = images
         self.writer.write({"id": conv_id, "input_ids": enc.input_ids, "loss_mask": enc.loss_mask,
-                           "prompt_len": enc.prompt_len})
+                           "prompt_len": enc.prompt_len, "images": list(data),
+                           "image_grid_thw": [int(x) for g in grids for x in g]})
+        self.images += len(data)
+        self.image_tokens += sum(media_pad_count(g) for g in grids)
         self.token_hash.add(conv_id, enc.input_ids, enc.loss_mask)
         self.rows += 1
         self.tokens += len(enc.input_ids)
@@ -98,10 +109,57 @@ class SplitWriter:
         ds.save_to_disk(str(out_dir), num_shards=1 if self.rows == 0 else None)
         del ds
         return {"conversations": self.rows, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-                "truncated": self.truncated, "token_sha256": self.token_hash.hexdigest()}
+                "truncated": self.truncated, "token_sha256": self.token_hash.hexdigest(), "images": self.images,
+                "image_tokens": self.image_tokens}
 
 
 ENCODE_CHUNK = 256  # conversations tokenized per tokenizer call
+
+
+def image_token_ids(target, tokenizer) -> tuple[Optional[dict], str]:
+    """The media token ids when this target reads images (layout kimi_k25, a vision tower in its config when
+    the config is at hand, and the tokenizer's `<|media_pad|>` = its image_token_id), else (None, why not)."""
+    import json
+
+    from eagle3.media_tokens import MEDIA_PAD, MediaTokenError, image_token_id, media_token_ids
+
+    if target.layout != "kimi_k25":
+        return None, f"target {target.name!r} (layout {target.layout}) is text-only"
+    cfg_path = Path(target.path) / "config.json" if target.path else None
+    config = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else None
+    try:
+        image_token_id(tokenizer, config)
+    except MediaTokenError as e:
+        return None, str(e)
+    ids = media_token_ids(tokenizer)
+    return {"pad": ids[MEDIA_PAD], "begin": ids["<|media_begin|>"]}, ""
+
+
+def _refuse_images(convs, media_ids: Optional[dict], why: str, skips: SkipCounter):
+    """Image conversations for a target that reads no images: counted skips, the text ones pass."""
+    for conv in convs:
+        if media_ids is None and has_images(conv.messages):
+            skips.add("image_unsupported", conv.location or conv.id, why)
+            continue
+        yield conv
+
+
+def with_images(conv: Conversation, enc: Encoded, media_ids: Optional[dict]) -> tuple[Encoded, tuple[list, list]]:
+    """The encoded record and the images its tokens hold, checked: each image one whole run of
+    `<|media_pad|>` of its count (a truncation inside an image cuts before it). Raises Skip."""
+    if media_ids is None or not has_images(conv.messages):
+        return enc, ([], [])
+    data, grids = conversation_images(conv.messages)
+    try:
+        n_img, n_tok = images_kept(enc.input_ids.tolist(), [media_pad_count(g) for g in grids], media_ids["pad"],
+                                   media_ids["begin"], enc.truncated)
+    except ValueError as e:
+        raise Skip("image_token_mismatch", str(e)) from e
+    if n_tok < len(enc.input_ids):
+        enc = Encoded(enc.input_ids[:n_tok], enc.loss_mask[:n_tok], min(enc.prompt_len, n_tok), True)
+        if not enc.loss_mask.any():
+            raise Skip("too_long", "cut before an image that max_length would split: nothing to train")
+    return enc, (data[:n_img], grids[:n_img])
 
 
 def _chunks(items, n: int):
@@ -159,7 +217,8 @@ def run_prepare(cfg) -> Path:
 
     encoder = TemplateEncoder(tokenizer, cfg.max_length, cfg.on_overlong)
     skips, info = SkipCounter(cfg.num_examples_shown), ReadInfo()
-    convs = read_conversations(src, skips, info, cfg.max_records)
+    media_ids, no_images_why = image_token_ids(cfg.target, tokenizer)
+    convs = _refuse_images(read_conversations(src, skips, info, cfg.max_records), media_ids, no_images_why, skips)
     regen_stats, nondeterministic = None, []
     if cfg.regenerate.backend != "none":
         from data.regenerate import regenerate_conversations
@@ -178,8 +237,13 @@ def run_prepare(cfg) -> Path:
             if isinstance(enc, Skip):
                 skips.add(enc.reason, conv.location or conv.id, enc.detail)
                 continue
+            try:
+                enc, images = with_images(conv, enc, media_ids)
+            except Skip as s:
+                skips.add(s.reason, conv.location or conv.id, s.detail)
+                continue
             split = "validation" if is_validation(conv.id, cfg.validation_fraction, cfg.split_salt) else "train"
-            writers[split].add(conv.id, enc)
+            writers[split].add(conv.id, enc, images)
         bar.update(len(chunk))
     bar.close()
     kept = sum(w.rows for w in writers.values())
@@ -204,14 +268,19 @@ def run_prepare(cfg) -> Path:
               "trailing_messages_dropped": info.trailing_dropped,
               "tokens": sum(s["tokens"] for s in splits.values()),
               "loss_tokens": sum(s["loss_tokens"] for s in splits.values()),
-              "truncated": sum(s["truncated"] for s in splits.values())}
+              "truncated": sum(s["truncated"] for s in splits.values()),
+              "images": sum(s["images"] for s in splits.values()),
+              "image_tokens": sum(s["image_tokens"] for s in splits.values())}
     world = world_fingerprint(target_part(Path(cfg.target.path)),
                               combine({name: s["token_sha256"] for name, s in splits.items()}))
     write_manifest(out, "prepare", cfg, counts=counts, splits=splits, skip_examples=skips.examples, world=world,
                    determinism={"regenerate": deterministic_ops_note(nondeterministic), "ops": nondeterministic},
                    reader=info.stats.as_dict(), fingerprints=fingerprints, regenerate=regen_stats,
                    tokenizer={"path": cfg.target.tokenizer, "len": len(tokenizer)},
-                   columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply"})
+                   media_token_ids=media_ids,
+                   columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply",
+                            "images": "binary: each image's encoded bytes, in LM order",
+                            "image_grid_thw": "int32: 3 per image (t, h, w in 14-pixel patches)"})
     print(summary(info, counts, splits, regen_stats, skips.examples))
     return out
 

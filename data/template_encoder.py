@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.conversations import Conversation, PrepareError, Skip
+from data.image_messages import template_messages
 
 CHARS_PER_TOKEN_GUESS = 8  # first character budget per token kept; English text needs ~4, denser text less
 MARGIN_TOKENS = 64  # tokens past max_length a cut text must reach (a cut only changes the tokens near it)
@@ -51,7 +52,9 @@ class TemplateEncoder:
         self.tok, self.max_length, self.on_overlong = tokenizer, max_length, on_overlong
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        """The template's text; a user turn's images are K2.5 image blocks before its text."""
+        return self.tok.apply_chat_template(template_messages(messages), tokenize=False,
+                                            add_generation_prompt=generation_prompt)
 
     def encode(self, conv: Conversation) -> Encoded:
         """Encode one conversation; raises Skip."""
