@@ -165,6 +165,21 @@ def validate_hf_indices(hf_indices, num_layers: Optional[int], what: str = "aux 
     return h
 
 
+def sglang_style_ids_note(ids: Optional[Sequence[int]], rule: Optional[str]) -> Optional[tuple[str, str]]:
+    """(problem, fix) when ids starting at 1 are read by the vllm rule: they look SGLang-style (current and legacy
+    SGLang read a first id 1 as h = id + 1), while vLLM feeds h = id, whose h = 1 current SGLang cannot capture.
+    None otherwise."""
+    if rule != "vllm" or not ids or int(ids[0]) != 1:
+        return None
+    ids = [int(i) for i in ids]
+    sglang = hf_indices_from_ids(ids, "sglang")
+    return (f"ids {ids} look SGLang-style: SGLang reads a first id 1 as h = id + 1 = {sglang}; read by aux_id_rule=vllm "
+            f"they are h = {ids}, the states vLLM would feed (h = 1 is decoder layer 0's output), which current SGLang "
+            f"cannot be told to capture",
+            "if the drafter was trained on SGLang's reading (SpecForge, an SGLang capture), read its ids with "
+            "aux_id_rule=sglang (init.aux_id_rule=sglang to train from it)")
+
+
 def disagreement_note(ids: Optional[Sequence[int]], rule: str, where: str) -> str | None:
     """One line when SGLang's two rules read `ids` differently (first id not 1), naming every reading and
     the one used; None when current and legacy SGLang agree, or when no ids are listed."""

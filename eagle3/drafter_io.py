@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3 import aux_layers, vocab_map
+from eagle3.drafter_keys import ConfigRefused
 from eagle3.errors import StageError
 from eagle3.dtypes import TORCH_FLOAT_DTYPES, torch_dtype  # noqa: F401  (torch_dtype: re-exported)
 from eagle3.manifest import atomic_write_bytes
@@ -42,6 +43,15 @@ EMBED = "embed_tokens.weight"
 
 class DrafterLoadError(StageError, RuntimeError):
     """A drafter directory that cannot be loaded; the message lists every problem."""
+
+
+class DrafterConfigRefused(DrafterLoadError):
+    """A readable config.json whose content this project cannot read: `findings` (drafter_values.Finding) name each
+    cause, what the engines do and its fix (the directory itself is fine)."""
+
+    def __init__(self, message: str, findings: list):
+        super().__init__(message)
+        self.findings = list(findings)
 
 
 def read_config_dict(drafter_dir: str | Path) -> dict:
@@ -73,6 +83,8 @@ def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAU
     try:
         ids = listed_aux_ids(d)
         cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
+    except ConfigRefused as e:
+        raise DrafterConfigRefused(f"{Path(drafter_dir) / CONFIG}: {e}", e.findings) from e
     except (ValueError, TypeError) as e:
         raise DrafterLoadError(f"{Path(drafter_dir) / CONFIG}: {e}") from e
     note = aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}") if report_aux else None
@@ -81,6 +93,8 @@ def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAU
     if cfg.unknown_keys:  # eagle3/drafter_keys.py lists every key an engine reads; these are none of them
         log.warning("drafter %s: config keys no known engine reads, ignored and not written back: %s",
                     drafter_dir, cfg.unknown_keys)
+    for finding in cfg.key_warnings:  # read here; the directory served as is would break somewhere
+        log.warning("drafter %s: %s", drafter_dir, finding)
     return cfg
 
 
@@ -276,9 +290,11 @@ class Mismatch:
 
 def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dict,
                              hf_indices_captured: Optional[list[int]] = None,
-                             d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None) -> list[Mismatch]:
+                             d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+                             listed_ids: Optional[list[int]] = None, id_rule: Optional[str] = None) -> list[Mismatch]:
     """Every way the drafter does not fit the target (text config dict: hidden_size, num_hidden_layers,
-    vocab_size, max_position_embeddings, ...), and optionally the captured hidden-state indices and the mapping."""
+    vocab_size, max_position_embeddings, ...), and optionally the captured hidden-state indices and the mapping.
+    `listed_ids` / `id_rule`: the config's aux ids and the rule that read them (for the reading's own advice)."""
     c, t = drafter_cfg, target_text_config
     out: list[Mismatch] = []
     H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
@@ -301,16 +317,22 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
         if c.aux_hf_indices is not None:  # (SGLang's own default is checked where a capture takes it)
             aux_layers.validate_hf_indices(h, L, "drafter aux hidden-state indices")
     except aux_layers.AuxLayerError as e:
-        out.append(Mismatch("aux_hf_indices", str(e), f"use 3 distinct indices in 1..{L - 1} (SGLang's default for "
-                            f"{L} layers: h = {aux_layers.sglang_default_hf_indices(L)})"))
+        styled = aux_layers.sglang_style_ids_note(listed_ids, id_rule) if listed_ids is not None else None
+        out.append(Mismatch("eagle_aux_hidden_state_layer_ids", *styled) if styled else
+                   Mismatch("aux_hf_indices", str(e), f"use 3 distinct ascending indices in 2..{L - 1} (SGLang's "
+                            f"default for {L} layers: h = {aux_layers.sglang_default_hf_indices(L)})"))
     differ = hf_indices_captured is not None and aux_layers.reading_mismatch(h, hf_indices_captured)
     if differ:
         out.append(Mismatch("aux_hf_indices", differ, "recapture with the drafter's layers, or check "
                             "init.aux_id_rule (how its config's ids are read)"))
     tmax = int(t.get("max_position_embeddings") or 0)
     if c.max_position_embeddings < tmax:
-        out.append(Mismatch("max_position_embeddings", f"drafter {c.max_position_embeddings} < target context {tmax}",
-                            f"set it to {tmax} (init and export do; rope numerics do not depend on it)", fatal=False))
+        out.append(Mismatch("max_position_embeddings", f"drafter {c.max_position_embeddings} < target context {tmax}: "
+                            f"SGLang 0.5.14 and vLLM 0.34.0 size the draft's rope cos/sin cache from it (rotary_embedding"
+                            f"/base.py:170 / :97), so this directory served as is breaks past {c.max_position_embeddings} "
+                            f"tokens of context (below that the rope is the same)",
+                            f"nothing for init, train or export (they write {tmax}); to serve this directory as is, set "
+                            f"max_position_embeddings: {tmax}", fatal=False))
     if not c.rope_theta > 0:
         out.append(Mismatch("rope_theta", f"{c.rope_theta} is not positive", "restore the drafter's rope_theta"))
     for key in ("bos_token_id", "eos_token_id"):
@@ -356,9 +378,12 @@ def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
     see read_drafter_config."""
     try:
         cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule, report_aux)
+    except DrafterConfigRefused as e:  # the directory is fine; each config value names its own cause and fix
+        return None, [Mismatch(f.key, f.problem, f.fix) for f in e.findings]
     except DrafterLoadError as e:
         return None, [Mismatch("config", str(e), "point at a drafter directory (config.json + model.safetensors)")]
-    out = [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes") for p in problems]
+    out = [Mismatch(f.key, f.problem, f.fix, fatal=False) for f in cfg.key_warnings]
+    out += [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes") for p in problems]
     mapping = {}  # a missing d2t of a reduced-vocab drafter is already a "missing tensors" problem
     if "d2t" in where and shapes["d2t"] == (cfg.draft_vocab_size,):
         if "t2d" in where:
@@ -366,9 +391,11 @@ def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
         else:
             out.append(Mismatch("t2d", "absent (SGLang ignores it; other loaders need it)", "write t2d (export does)",
                                 fatal=False))
-    return cfg, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping)
+    listed = listed_aux_ids(read_config_dict(drafter_dir))
+    return cfg, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping,
+                                               listed_ids=listed, id_rule=id_rule)
 
-__all__ = ["DrafterLoadError", "load_drafter_dir", "save_drafter_dir", "read_drafter_config", "read_config_dict",
+__all__ = ["DrafterLoadError", "DrafterConfigRefused", "load_drafter_dir", "save_drafter_dir", "read_drafter_config", "read_config_dict",
            "listed_aux_ids", "inspect_drafter_dir",
            "expected_shapes", "check_compatibility", "compatibility_mismatches", "assert_compatible",
            "check_drafter_dir", "raise_on_fatal", "CompatibilityError", "Mismatch"]

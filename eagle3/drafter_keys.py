@@ -24,9 +24,11 @@ Pure; imports only the standard library.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
+
+from eagle3.drafter_values import (ANOTHER_INIT, ROPE_TYPES, Finding, architecture_finding, model_type_finding,
+                                   rope_type_finding, show)
 
 ENGINES = {
     "sglang": "SGLang 0.5.14",
@@ -135,9 +137,9 @@ KEYS: tuple[Key, ...] = (
     _switch("architectures", "model class", {
         "sglang": Reading(ABSENT, _arch("LlamaForCausalLMEagle3"), "another class is another model"),
         "vllm": Reading(ABSENT, _arch("LlamaForCausalLMEagle3"), "another class is another model")}),
-    _switch("model_type", "decoder-layer family", {
-        "sglang": Reading("llama", _is("llama", None), "llama4_text reads intermediate_size_mlp as the MLP width"),
-        "vllm": Reading("llama", _is("llama", None), "qwen3 builds a Qwen3 layer (q/k norms)"),
+    _switch("model_type", "the config class the engines build (SGLang layout: value-specific, _model_type_finding)", {
+        "sglang": Reading("llama", _is("llama", None), "builds the config class registered for this model_type"),
+        "vllm": Reading("llama", _is("llama", None), "builds the config class registered for this model_type"),
         "speculators": Reading("qwen3", _is("llama", None), "qwen3 builds a Qwen3 layer (q/k norms)")}),
     _switch("num_hidden_layers", "decoder layers", {
         "sglang": Reading(_LLAMA_DEFAULT_LAYERS, _is(1), "more layers after the first (hidden only, no embeds)"),
@@ -243,6 +245,10 @@ KEYS: tuple[Key, ...] = (
         ("attention_dropout", "training-time dropout; no engine applies it at inference"),
         ("sliding_window", "used only by layers that layer_types marks sliding (checked there)"),
         ("intermediate_size_mlp", "SGLang: read only for model_type llama4_text (refused)"),
+        ("max_window_layers", "Qwen2 template leftover (SpecForge / TorchSpec templates): no engine's Llama drafter "
+                              "layer reads it"),
+        ("use_sliding_window", "Qwen2 template leftover (SpecForge / TorchSpec templates): no engine's Llama drafter "
+                               "layer reads it (sliding attention is layer_types', checked there)"),
         ("target_layer_count", "vLLM sets it at load time"),
         ("use_cache", "generation setting"), ("output_attentions", "HF output flag"),
         ("output_hidden_states", "HF output flag"), ("return_dict", "HF output flag"), ("torchscript", "HF flag"),
@@ -275,20 +281,29 @@ def key(name: str, where: str = "top") -> Key:
 
 @dataclass
 class KeyCheck:
-    """What a config's keys mean here: refusals (one line each), unknown and harmless keys (dotted names)."""
-    refused: list[str] = field(default_factory=list)
+    """What a config's keys mean here: refusals and warnings (Findings: key, cause, fix), unknown and harmless keys
+    (dotted names)."""
+    refused: list[Finding] = field(default_factory=list)
+    warned: list[Finding] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     harmless: list[str] = field(default_factory=list)
 
     def raise_if_refused(self, what: str = "drafter config") -> None:
-        if len(self.refused) == 1:
-            raise ValueError(f"{what}: {self.refused[0]}")
         if self.refused:
-            raise ValueError(f"{what}:\n  - " + "\n  - ".join(self.refused))
+            raise ConfigRefused(what, self.refused)
 
     def report(self) -> dict:
         """For a load report: only what is there."""
         return {k: v for k, v in (("unknown_config_keys", self.unknown), ("ignored_config_keys", self.harmless)) if v}
+
+
+class ConfigRefused(ValueError):
+    """A config this project cannot read; `findings` holds each refusal (key, cause and engines, fix)."""
+
+    def __init__(self, what: str, findings: list[Finding]):
+        self.findings = list(findings)
+        lines = [str(f) for f in self.findings]
+        super().__init__(f"{what}: {lines[0]}" if len(lines) == 1 else f"{what}:\n  - " + "\n  - ".join(lines))
 
 
 def check_config(cfg: Mapping[str, Any], layout: str = "sglang") -> KeyCheck:
@@ -303,13 +318,22 @@ def check_config(cfg: Mapping[str, Any], layout: str = "sglang") -> KeyCheck:
         return out
     if layout != "sglang":
         raise ValueError(f"config layout {layout!r}: expected 'sglang' or 'speculators'")
+    architecture = architecture_finding(cfg.get("architectures"))
+    if architecture is not None:  # another model class: its other keys (MLA sizes, rope, model_type) are moot here
+        out.refused.append(architecture)
+        return out
     _check_level(cfg, "top", READERS["sglang"], "", out)
     eagle = cfg.get("eagle_config")
     if isinstance(eagle, Mapping):
         _check_level(eagle, "eagle_config", READERS["sglang"], "eagle_config.", out)
     elif eagle is not None:
-        out.refused.append(f"eagle_config={_show(eagle)}: expected a mapping (SGLang and vLLM read keys from it)")
+        out.refused.append(Finding("eagle_config", f"eagle_config={_show(eagle)}: expected a mapping (SGLang and vLLM "
+                                   f"read keys from it)", "make eagle_config a mapping, as SGLang's layout has it"))
     return out
+
+
+# switches whose value-specific findings live in drafter_values (SGLang layout, top level)
+_VALUE_SPECIFIC = {"architectures", "model_type"}
 
 
 def _check_level(cfg: Mapping[str, Any], where: str, readers, prefix: str, out: KeyCheck) -> None:
@@ -320,16 +344,21 @@ def _check_level(cfg: Mapping[str, Any], where: str, readers, prefix: str, out: 
             out.unknown.append(prefix + name)
         elif entry.handling == HARMLESS or (prefix == LAYER_PREFIX and name in _LAYER_OVERRIDDEN):
             out.harmless.append(prefix + name)
+        elif where == "top" and prefix == "" and name in _VALUE_SPECIFIC:
+            if name == "model_type":
+                finding, fatal = model_type_finding(value, cfg, prefix)
+                if finding is not None:
+                    (out.refused if fatal else out.warned).append(finding)
         elif entry.handling == SWITCH:
-            line = _refusal(entry, value, cfg, readers, prefix)
-            if line:
-                out.refused.append(line)
+            finding = _refusal(entry, value, cfg, readers, prefix)
+            if finding:
+                out.refused.append(finding)
     if where == "top":
         out.refused += _rope_refusals(cfg, prefix)
 
 
-def _refusal(entry: Key, value: Any, cfg: Mapping[str, Any], readers, prefix: str) -> Optional[str]:
-    """One line when `value` means another forward in some engine reading this layout, else None."""
+def _refusal(entry: Key, value: Any, cfg: Mapping[str, Any], readers, prefix: str) -> Optional[Finding]:
+    """A refusal when `value` means another forward in some engine reading this layout, else None."""
     wrong = [(e, r) for e, r in entry.readings.items() if e in readers and not r.ours(value, cfg)]
     if not wrong:
         return None
@@ -338,12 +367,14 @@ def _refusal(entry: Key, value: Any, cfg: Mapping[str, Any], readers, prefix: st
         groups.setdefault((r.meaning, _show(r.default)), []).append(ENGINES[e])
     honour = "; ".join(f"{', '.join(names)} (default {default}): {meaning}" for (meaning, default), names in groups.items())
     hint = entry.hints.get(_show(value))
-    return (f"{prefix}{entry.name}={_show(value)} changes the drafter's forward ({entry.effect}) and is not "
-            f"implemented here; honoured by {honour}" + (f". {hint}" if hint else ""))
+    return Finding(prefix + entry.name, f"{prefix}{entry.name}={_show(value)} changes the drafter's forward "
+                   f"({entry.effect}) and is not implemented here; honoured by {honour}",
+                   hint or f"delete the key if the drafter was trained without it (its absence means this forward in "
+                           f"every engine); otherwise {ANOTHER_INIT}")
 
 
-def _rope_refusals(cfg: Mapping[str, Any], prefix: str) -> list[str]:
-    """Rope entries this project does not implement, and rope settings whose two spellings disagree (SGLang,
+def _rope_refusals(cfg: Mapping[str, Any], prefix: str) -> list[Finding]:
+    """Rope variants this project does not implement, and rope settings whose two spellings disagree (SGLang,
     vLLM and SpecForge read rope_parameters first; a config holding both must say the same in both)."""
     out = []
     for name in ("rope_scaling", "rope_parameters"):
@@ -351,21 +382,24 @@ def _rope_refusals(cfg: Mapping[str, Any], prefix: str) -> list[str]:
         if isinstance(rope, Mapping):
             extra = sorted(k for k in set(rope) - _ROPE_ENTRIES
                            if not (k == "partial_rotary_factor" and rope[k] in (1, 1.0)))
-            if extra:
-                out.append(f"{prefix}{name} has {extra}: rope variants beyond default / linear / llama3 are not "
-                           f"implemented here (SGLang, vLLM and SpecForge apply them)")
+            kind = str(rope.get("rope_type") or rope.get("type") or "default")
+            if extra or kind not in ROPE_TYPES:
+                out.append(rope_type_finding(name, rope, extra, prefix))
     params = cfg.get("rope_parameters")
+    agree = "make them agree (the value the drafter was trained with in both)"
     if isinstance(params, Mapping):
         theta = cfg.get("rope_theta")
         if theta is not None and params.get("rope_theta") is not None and float(theta) != float(params["rope_theta"]):
-            out.append(f"{prefix}rope_theta={_show(theta)} but rope_parameters.rope_theta={_show(params['rope_theta'])}: "
-                       f"SGLang 0.5.14, vLLM 0.34.0 and SpecForge 0.2.0 use rope_parameters; make them agree")
+            out.append(Finding(f"{prefix}rope_theta", f"{prefix}rope_theta={_show(theta)} but rope_parameters.rope_theta="
+                               f"{_show(params['rope_theta'])}: SGLang 0.5.14, vLLM 0.34.0 and SpecForge 0.2.0 use "
+                               f"rope_parameters", agree))
         scaling = cfg.get("rope_scaling")
         kind = params.get("rope_type", "default")
         if isinstance(scaling, Mapping) and kind != "default" and \
                 {k: v for k, v in params.items() if k != "rope_theta"} != dict(scaling):
-            out.append(f"{prefix}rope_scaling={_show(scaling)} differs from rope_parameters={_show(params)}: SGLang "
-                       f"0.5.14, vLLM 0.34.0 and SpecForge 0.2.0 use rope_parameters; make them agree")
+            out.append(Finding(f"{prefix}rope_scaling", f"{prefix}rope_scaling={_show(scaling)} differs from "
+                               f"rope_parameters={_show(params)}: SGLang 0.5.14, vLLM 0.34.0 and SpecForge 0.2.0 use "
+                               f"rope_parameters", agree))
     return out
 
 
@@ -417,9 +451,4 @@ def table_rows() -> list[dict[str, str]]:
 
 def _show(value: Any) -> str:
     """JSON spelling (true / null), as the config file has it."""
-    if value is ABSENT:
-        return "absent"
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
+    return "absent" if value is ABSENT else show(value)

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3 import aux_layers, drafter_keys, vocab_map
+from eagle3 import aux_layers, drafter_keys, drafter_values, vocab_map
 from eagle3.ttt import KVCache, TTTCache
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-ROPE_TYPES = ("default", "linear", "llama3")  # the rope variants rope_inv_freq implements
+ARCHITECTURE = drafter_values.LLAMA_CLASS
+ROPE_TYPES = drafter_values.ROPE_TYPES  # the rope variants rope_inv_freq implements
 # rope base of a config that states none: what SGLang's llama layer reads (`getattr(config, "rope_theta", 10000)`)
 # and transformers' LlamaConfig fills in (`default_theta = 10_000.0`), so training and serving agree
 DEFAULT_ROPE_THETA = 10000.0
@@ -75,6 +75,8 @@ class DrafterConfig:
     initializer_range: float = 0.02
     # keys of the source config no engine is known to read (drafter_keys): reported by the loader, never written
     unknown_keys: list = field(default_factory=list, compare=False)
+    # config values read here but that would break the directory served as is (drafter_values.Finding): reported
+    key_warnings: list = field(default_factory=list, compare=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -113,7 +115,7 @@ class DrafterConfig:
             eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             initializer_range=float(d.get("initializer_range", 0.02)),
-            unknown_keys=keys.unknown,
+            unknown_keys=keys.unknown, key_warnings=keys.warned,
         )
 
     def to_hf_dict(self) -> dict:
