@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from eagle3 import aux_layers
 from eagle3.conf import compose, stage_schema, to_schema
@@ -141,14 +141,23 @@ def stage_log(cfg, tag: str = "demo") -> StageLog:
     return StageLog(threads=threads)
 
 
-def build_experiment(cfg, log: StageLog) -> Experiment:
-    """Steps 1-3 of the module docstring up to training: the mini world, the K2 drafter built on
-    k2-mini, and the K2.5 side's prepare / capture / vocab (each stage reused when finished)."""
-    root = [f"paths.root={cfg.paths.root}"]
+def world_root(root, world_seed: int) -> Path:
+    """Where a world's stage directories live: the default world (seed 0) at `root`, every other one
+    beside it at `root/world-seed<k>` (so the study keeps several, and the demo's default is reused)."""
+    return Path(root) if world_seed == 0 else Path(root) / f"world-seed{world_seed}"
+
+
+def build_experiment(cfg, log: StageLog, world_seed: Optional[int] = None) -> Experiment:
+    """Steps 1-3 of the module docstring up to training, in world `world_seed` (default: cfg.seed, at
+    cfg.paths.root): the mini world, the K2 drafter built on k2-mini, and the K2.5 side's prepare /
+    capture / vocab (each stage reused when finished)."""
+    world_seed = cfg.seed if world_seed is None else world_seed
+    root = [f"paths.root={world_root(cfg.paths.root, world_seed)}"]
     ov = cfg.overrides
     steps = [f"max_steps={cfg.train_steps}"] + list(ov.train)
 
-    world = log.run("mini world", "mini_world", root + [f"num_threads={log.threads}"] + list(ov.mini_world))
+    world = log.run("mini world", "mini_world",
+                    root + [f"num_threads={log.threads}", f"seed={world_seed}"] + list(ov.mini_world))
     k2_layers = json.loads((world / "k2-mini" / "config.json").read_text())["num_hidden_layers"]
     # Kimi's pattern: SGLang's default capture h = [2, L//2, L-3] ([2, 30, 58] for 61 layers), as the real
     # K2 / K2.5 drafters read; the exported stand-in lists ids [1, L//2-1, L-4], which every SGLang reads so.

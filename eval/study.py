@@ -58,20 +58,35 @@ def checkpoint_every(train_steps: int, points: int) -> int:
     return max(1, -(-train_steps // (points - 1)))
 
 
-def run_name(init: str, seed: int) -> str:
-    return f"{init}-seed{seed}"
+def world_prefix(world: int) -> str:
+    """Record and run names carry the world unless it is the default one (seed 0)."""
+    return "" if world == 0 else f"world{world}-"
 
 
-def train_overrides(cfg, k25: list[str], init: str, seed: int) -> list[str]:
-    """The train stage's overrides for one study run: the demo size's training settings, then the study's
-    (seed, own out_dir, every budget checkpointed and kept, validation only at start and end since the
-    study evaluates the checkpoints, one wandb project grouped by init)."""
+def run_name(init: str, seed: int, world: int = 0) -> str:
+    return f"{world_prefix(world)}{init}-seed{seed}"
+
+
+def train_overrides(cfg, k25: list[str], init: str, seed: int, world: int = 0) -> list[str]:
+    """The train stage's overrides for one study run: the demo size's training settings (and the
+    forwarded `+train.*`), then the study's (seed, own out_dir, every budget checkpointed and kept,
+    validation only at start and end since the study evaluates the checkpoints, one wandb project
+    grouped by init)."""
     every = checkpoint_every(cfg.train_steps, cfg.curve.points)
+    name = run_name(init, seed, world)
     return k25 + [f"+init={init}", f"max_steps={cfg.train_steps}"] + list(cfg.overrides.train) + [
-        f"seed={seed}", f"out_dir={Path(cfg.stage_dir) / ('train-' + run_name(init, seed))}",
+        f"seed={seed}", f"out_dir={Path(cfg.stage_dir) / ('train-' + name)}",
         f"checkpoint_every={every}", "keep_checkpoints=0", "val_every=0",
         f"wandb.mode={cfg.wandb.mode}", f"wandb.project={cfg.wandb.project}", f"wandb.group={init}",
-        f"wandb.name=train-{run_name(init, seed)}"]
+        f"wandb.name=train-{name}"]
+
+
+def world_of(stage_dir: Path) -> Optional[dict]:
+    """The world fingerprint a stage directory's manifest carries (eagle3/world.py), None if it has none."""
+    from eagle3.manifest import read_manifest
+    from eagle3.world import WORLD_KEY
+
+    return read_manifest(stage_dir).get(WORLD_KEY)
 
 
 def point_metrics(report: dict) -> dict:
@@ -204,18 +219,30 @@ def _cached(path: Path, key: dict) -> Optional[dict]:
 
 
 def run_study(cfg) -> Path:
-    """Run the study of the module docstring; returns the report directory."""
+    """Run the study of the module docstring in every world of `cfg.world_seeds`; returns the report
+    directory."""
     from eval.demo import build_experiment, stage_log
 
     if cfg.report_only:
         return write_report(cfg, load_records(Path(cfg.out_dir) / RECORDS), Path(cfg.out_dir))
     t0 = time.time()
     log = stage_log(cfg, "study")
-    return study_on(cfg, build_experiment(cfg, log), log, t0)
+    for world in cfg.world_seeds:  # worlds outermost: an interrupted study holds whole worlds
+        measure_world(cfg, build_experiment(cfg, log, world), log, t0, world)
+    save_timings(Path(cfg.out_dir), t0, log.rows)
+    return write_report(cfg, load_records(Path(cfg.out_dir) / RECORDS), Path(cfg.out_dir))
 
 
-def study_on(cfg, exp, log, t0: float) -> Path:
-    """Steps 2-5 on a built experiment (eval/demo.py `Experiment`: each side's overrides, the K2 drafter)."""
+def study_on(cfg, worlds: dict, log, t0: float) -> Path:
+    """Steps 2-5 on built experiments ({world seed: eval/demo.py `Experiment`}); returns the report dir."""
+    for world, exp in worlds.items():
+        measure_world(cfg, exp, log, t0, world)
+    save_timings(Path(cfg.out_dir), t0, log.rows)
+    return write_report(cfg, load_records(Path(cfg.out_dir) / RECORDS), Path(cfg.out_dir))
+
+
+def measure_world(cfg, exp, log, t0: float, world: int) -> None:
+    """Steps 2-4 in one world: every run trained and measured, each record written as it finishes."""
     from eagle3.schema.eval import EvalConfig
     from eagle3.schema.train import TrainConfig
 
@@ -227,6 +254,7 @@ def study_on(cfg, exp, log, t0: float) -> Path:
     sides = {side: Evaluator(c, device) for side, c in eval_cfgs.items()}
     real = RealCheck(eval_cfgs["k25"], device, cfg.real_check) if cfg.real_check.num_prompts > 0 else None
     curve_knobs = knobs_of(cfg.curve.knobs)
+    capture_world = world_of(Path(eval_cfgs["k25"].capture_dir))
 
     def finished(name: str, drafter_dir: Path, train_dir: Optional[Path], points_fn, meta: dict) -> None:
         path = runs_dir / f"{name}.json"
@@ -243,20 +271,20 @@ def study_on(cfg, exp, log, t0: float) -> Path:
         log.rows.append((f"study: measure {name}", time.time() - t, str(path)))
         save_timings(out_dir, t0, log.rows)  # an interrupted invocation keeps its times too
 
-    ngram_baseline(cfg, sides["k25"], out_dir / NGRAM_FILE)
+    ngram_baseline(cfg, sides["k25"], out_dir / f"{world_prefix(world)}{NGRAM_FILE}")
     zs = exp.k2_drafter
-    finished(ZERO_SHOT, zs, None, lambda: [{"step": 0, "tokens": 0, **sides["k25"].metrics(
-        sides["k25"].load(zs), curve_knobs, cfg.curve.max_sequences)}], {"init": ZERO_SHOT, "seed": None})
+    finished(world_prefix(world) + ZERO_SHOT, zs, None, lambda: [{"step": 0, "tokens": 0, **sides["k25"].metrics(
+        sides["k25"].load(zs), curve_knobs, cfg.curve.max_sequences)}],
+        {"init": ZERO_SHOT, "seed": None, "world_seed": world, "world": capture_world})
     for seed in cfg.seeds:  # seeds outermost: an interrupted study still holds both inits of the first seeds
         for init in cfg.inits:
-            over = train_overrides(cfg, exp.k25, init, seed)
-            train_dir = log.run(f"study: train {run_name(init, seed)}", "train", over)
+            over = train_overrides(cfg, exp.k25, init, seed, world)
+            train_dir = log.run(f"study: train {run_name(init, seed, world)}", "train", over)
             train_cfg = to_schema(compose("train", over), TrainConfig)
-            finished(run_name(init, seed), train_dir / "final", train_dir,
+            finished(run_name(init, seed, world), train_dir / "final", train_dir,
                      lambda: curve(train_cfg, sides["k25"], curve_knobs, cfg.curve.max_sequences),
-                     {"init": init, "seed": seed, "train_dir": str(train_dir)})
-    save_timings(out_dir, t0, log.rows)
-    return write_report(cfg, load_records(runs_dir), out_dir)
+                     {"init": init, "seed": seed, "world_seed": world, "world": world_of(train_dir),
+                      "train_dir": str(train_dir)})
 
 
 def save_timings(out_dir: Path, t0: float, rows) -> None:

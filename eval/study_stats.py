@@ -115,3 +115,41 @@ def token_saving(fast: Sequence[Sequence[tuple[float, float]]], slow: Sequence[S
     return {"ratios": ratios, "mean": m, "std": sd, "min": min(ratios, default=float("nan")),
             "max": max(ratios, default=float("nan")), "pairs": len(fast) * len(slow),
             "not_reached": not_reached, "at_start": at_start}
+
+
+def world_spread(by_world: dict) -> dict:
+    """Values of one metric grouped by world ({world: [value per seed]}): the seed spread (pooled
+    within-world sample std) and the world spread (sample std of the world means).
+    -> {mean, seed_std, world_std, worlds, runs}; world_std NaN with one world, seed_std NaN when no
+    world has two seeds."""
+    groups = {w: [float(x) for x in xs if x == x] for w, xs in by_world.items()}
+    groups = {w: xs for w, xs in groups.items() if xs}
+    means = [sum(xs) / len(xs) for xs in groups.values()]
+    ss = sum(sum((x - m) ** 2 for x in xs) for xs, m in zip(groups.values(), means))
+    dof = sum(len(xs) - 1 for xs in groups.values())
+    return {"mean": mean_std(means)[0], "seed_std": math.sqrt(ss / dof) if dof else float("nan"),
+            "world_std": mean_std(means)[1] if len(means) > 1 else float("nan"),
+            "worlds": len(groups), "runs": sum(len(xs) for xs in groups.values())}
+
+
+def world_difference(a: dict, b: dict, confidence: float = 0.95) -> dict:
+    """Difference of means a - b when runs come from several worlds ({world: [value per seed]}).
+    One world: Welch's interval over seeds (`level` 'seeds (one world)'). Several: the worlds are the
+    units, each contributing mean(a_w) - mean(b_w) (the seed noise averages inside it), and the
+    interval is Student's t over those differences (`level` 'worlds'), so world-to-world variation is
+    in it. -> welch_interval's keys + {level, worlds, per_world}."""
+    common = sorted(w for w in a if w in b and mean_std(a[w])[0] == mean_std(a[w])[0]
+                    and mean_std(b[w])[0] == mean_std(b[w])[0])
+    if len(common) <= 1:
+        w = common[0] if common else None
+        out = welch_interval(a.get(w, []), b.get(w, []), confidence)
+        return {**out, "level": "seeds (one world)", "worlds": len(common),
+                "per_world": {str(w): out["diff"]} if common else {}}
+    diffs = [mean_std(a[w])[0] - mean_std(b[w])[0] for w in common]
+    m, sd = mean_std(diffs)
+    n = len(diffs)
+    q = t_quantile(0.5 + confidence / 2, n - 1)
+    half = q * sd / math.sqrt(n)
+    return {"diff": m, "low": m - half, "high": m + half, "df": float(n - 1), "n_a": sum(len(a[w]) for w in common),
+            "n_b": sum(len(b[w]) for w in common), "confidence": confidence, "level": "worlds", "worlds": n,
+            "per_world": {str(w): d for w, d in zip(common, diffs)}}

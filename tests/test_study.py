@@ -100,19 +100,22 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
                      k25=[f"paths.root={root}", "target=k25_mini", f"target.path={tiny_k25_target}",
                           f"target.k2_drafter={k25['old_drafter']}"],
                      k2_drafter=k25["old_drafter"], vocab_dir=k25["vocab"])
+    # the stage settings go in as a user types them on the study's command line (+train.*, +eval.*)
     train = ["ttt_length=3", "data.max_tokens_per_batch=160", "data.max_length=40", "data.bucket_window=8",
-             "optim.lr=3e-3", "optim.warmup_steps=1", "log_every=2", "val_accept_sequences=0", "progress=false",
+             "optim.lr=0.003", "optim.warmup_steps=1", "log_every=2", "val_accept_sequences=0", "progress=false",
              "cpu=true", "epochs=100"]
     over = [f"paths.root={root}", "demo_size=ci", "train_steps=4", "curve.points=3", "wandb.mode=disabled",
-            "num_threads=1", "knob_grid.num_steps=[1,2]"]
+            "num_threads=1", "knob_grid.num_steps=[1,2]", "+eval.ttt_length=3", "+eval.progress=false"]
+    over += [f"+train.{o}" for o in train]
 
     def config(*extra):
         cfg = to_schema(compose("study", over + list(extra)), StudyConfig)
-        cfg.overrides.train, cfg.overrides.eval = train, ["ttt_length=3", "progress=false"]
+        cfg.overrides.eval = cfg.overrides.eval[-2:]  # the ci preset's eval sizes are for the ci world
+        assert cfg.overrides.train[-len(train):] == train  # after the preset's: they win
         return cfg
 
     cfg = config()
-    out = study_on(cfg, exp, StageLog(threads=1), time.time())
+    out = study_on(cfg, {0: exp}, StageLog(threads=1), time.time())
 
     runs = sorted(p.stem for p in (out / "records").glob("*.json"))
     assert runs == ["aqmedai_k2-seed0", "aqmedai_k2-seed1", "k2_zero_shot", "scratch-seed0", "scratch-seed1"]
@@ -133,7 +136,8 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     assert [p["tokens"] for p in s0["points"]] != tokens
 
     report = json.loads((out / "report.json").read_text())
-    assert report["seeds"] == {"scratch": [0, 1], "aqmedai_k2": [0, 1]}
+    assert report["seeds"] == {"scratch": [0, 1], "aqmedai_k2": [0, 1]} and list(report["worlds"]) == ["0"]
+    assert rec["world_seed"] == 0
     assert set(report["plots"]) == {"acc_step0", "acc_mean", "tau 2/1/3", "tau 3/1/4", "tau 3/2/6"}
     assert all((out / f).is_file() for f in report["plots"].values())
     fd = report["derived"]["final_difference"]["sim tau 2/1/3"]
@@ -148,12 +152,40 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     assert any(row[0] == "study: train scratch-seed1" for t in report["timings"] for row in t["rows"])
     md = (out / "report.md").read_text()
     assert "± " in md and "Welch interval" in md and "sglang.launch_server" in md
+    assert "covers ONE world" in md and "seed spread" in md
 
     # a rerun measures nothing again; report_only rebuilds the same answers from the records
     (out / "report.json").unlink()
-    again = study_on(cfg, exp, StageLog(threads=1), time.time())
+    again = study_on(cfg, {0: exp}, StageLog(threads=1), time.time())
     assert json.loads((again / "report.json").read_text())["derived"] == report["derived"]
     from eval.study import run_study
 
     run_study(config("report_only=true"))
     assert json.loads((out / "report.json").read_text())["table"] == report["table"]
+
+
+def test_report_refuses_records_of_one_world_seed_from_two_worlds():
+    from eval.study_report import check_worlds
+
+    def rec(name, world_seed, world_id):
+        return {"name": name, "init": "scratch", "seed": 0, "world_seed": world_seed,
+                "world": None if world_id is None else {"id": world_id}}
+
+    assert check_worlds([rec("a", 0, "x"), rec("b", 0, "x"), rec("c", 1, "y"), rec("old", 0, None)]) == {0: "x", 1: "y"}
+    with pytest.raises(ConfigError, match="world seed 0 come from different worlds.*world x: a.*world z: b"):
+        check_worlds([rec("a", 0, "x"), rec("b", 0, "z")])
+
+
+def test_world_seeds_name_runs_and_roots_apart(tmp_path):
+    from eval.demo import world_root
+    from eval.study import run_name, train_overrides
+
+    assert world_root(tmp_path, 0) == tmp_path and world_root(tmp_path, 3) == tmp_path / "world-seed3"
+    assert run_name("scratch", 1) == "scratch-seed1" and run_name("scratch", 1, 3) == "world3-scratch-seed1"
+    cfg = to_schema(compose("study", ["demo_size=ci", f"paths.root={tmp_path}", "world_seeds=[0,3]"]), StudyConfig)
+    over = train_overrides(cfg, [], "scratch", 1, 3)
+    assert any(o.endswith("/train-world3-scratch-seed1") and o.startswith("out_dir=") for o in over)
+    with pytest.raises(ConfigError, match="world_seeds"):
+        to_schema(compose("study", ["world_seeds=[1,1]"]), StudyConfig)
+    with pytest.raises(ConfigError, match=r"\+train.seed is set by the study itself"):
+        to_schema(compose("study", ["+train.seed=4"]), StudyConfig)

@@ -35,3 +35,28 @@ def test_tokens_to_reach_and_saving():
     sav = st.token_saving([curve, [(0, 1.7), (200, 1.9)], [(0, 1.0), (200, 1.5)]], slow)
     assert sav["ratios"] == [pytest.approx(400 / 150)] and sav["at_start"] == 1 and sav["not_reached"] == 1
     assert sav["pairs"] == 3
+
+
+def test_world_spread_separates_seed_and_world_variation():
+    sp = st.world_spread({0: [1.0, 2.0], 1: [3.0, 5.0]})
+    # world means 1.5 and 4.0; pooled within-world SS = 0.5 + 2.0 over 2 degrees of freedom
+    assert sp["mean"] == pytest.approx(2.75) and sp["seed_std"] == pytest.approx(math.sqrt(1.25))
+    assert sp["world_std"] == pytest.approx(math.sqrt(2 * 1.25 ** 2)) and (sp["worlds"], sp["runs"]) == (2, 4)
+    one = st.world_spread({0: [1.0, 3.0]})
+    assert one["world_std"] != one["world_std"] and one["seed_std"] == pytest.approx(math.sqrt(2))
+
+
+def test_world_difference_uses_worlds_as_units_and_one_world_falls_back_to_welch():
+    a, b = {0: [2.0, 2.2], 1: [3.0, 3.1], 2: [1.0, 1.0]}, {0: [1.0, 1.2], 1: [2.5, 2.5], 2: [0.8, 0.8]}
+    d = st.world_difference(a, b, 0.95)
+    diffs = [1.0, 0.55, 0.2]  # per world: mean(a_w) - mean(b_w)
+    m = sum(diffs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in diffs) / 2)
+    half = st.t_quantile(0.975, 2) * sd / math.sqrt(3)
+    assert d["level"] == "worlds" and d["worlds"] == 3 and d["df"] == 2.0
+    assert d["diff"] == pytest.approx(m) and d["low"] == pytest.approx(m - half) and d["high"] == pytest.approx(m + half)
+    assert d["per_world"] == {"0": pytest.approx(1.0), "1": pytest.approx(0.55), "2": pytest.approx(0.2)}
+    one = st.world_difference({0: [3.0, 4.0, 5.0]}, {0: [1.0, 2.0, 3.0]}, 0.95)
+    assert one["level"] == "seeds (one world)" and one == {**st.welch_interval([3.0, 4.0, 5.0], [1.0, 2.0, 3.0]),
+                                                           "level": "seeds (one world)", "worlds": 1,
+                                                           "per_world": {"0": 2.0}}

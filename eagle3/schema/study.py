@@ -9,7 +9,7 @@ from typing import List, Optional
 from eagle3.choices import DEVICES, INITS
 from eagle3.conf import ConfigError, register_stage
 from eagle3.schema.common import PathsConf, WandbConf
-from eagle3.schema.demo import StageOverrides
+from eagle3.schema.demo import ForwardedSettings, StageOverrides, forward_settings
 from eagle3.schema.eval import CostConf, KnobConf
 
 
@@ -69,13 +69,16 @@ class KnobGridConf:
 
 
 @dataclass
-class StudyConfig:
+class StudyConfig(ForwardedSettings):
     paths: PathsConf
     out_dir: str                      # report.md / report.json / plots
     stage_dir: str                    # the study's own train runs (train-<init>-seed<k>/)
     train_steps: int                  # optimizer steps per run (the demo size's budget)
     overrides: StageOverrides = field(default_factory=StageOverrides)
-    seeds: List[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: List[int] = field(default_factory=lambda: [0, 1, 2])   # training seeds (data order, random inits)
+    # world seeds: each builds its own mini world, K2 drafter and K2.5 data (eval/demo.py world_root); the
+    # report gives the spread over seeds within a world and over worlds, or says it covers one world
+    world_seeds: List[int] = field(default_factory=lambda: [0])
     inits: List[str] = field(default_factory=lambda: ["scratch", "aqmedai_k2"])  # each one of eagle3.choices.INITS
     primary_knob: str = "2/1/3"       # the setting the derived answers (token saving, final difference) use
     confidence: float = 0.95
@@ -97,6 +100,11 @@ class StudyConfig:
     num_threads: int = 0              # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
 
     def validate(self) -> None:
+        forward_settings(self, {f"train.{k}": "the study sets it for every run (seeds=[...], train_steps, curve.points)"
+                                for k in ("seed", "out_dir", "max_steps", "checkpoint_every", "keep_checkpoints",
+                                          "val_every", "wandb")} | {"mini_world.seed": "use world_seeds=[...]"})
+        if not self.world_seeds or len(set(self.world_seeds)) != len(self.world_seeds) or min(self.world_seeds) < 0:
+            raise ConfigError(f"world_seeds={self.world_seeds}: one or more distinct seeds >= 0")
         if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds={self.seeds}: at least two distinct seeds (a spread needs two)")
         bad = [i for i in self.inits if i not in INITS]
