@@ -14,7 +14,7 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError
 from eagle3.cost_model import PRESETS, predict
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
-from eval.study_stats import mean_std, token_saving, welch_interval
+from eval.study_stats import mean_std, token_saving, world_difference, world_spread
 
 ZERO_SHOT = "k2_zero_shot"
 RECORDS = "records"   # <out_dir>/records/<name>.json: one per measured drafter
@@ -45,13 +45,44 @@ def value(metrics: dict, key: str) -> float:
     return metrics["tau"].get(key[4:], float("nan")) if key.startswith("tau ") else metrics.get(key, float("nan"))
 
 
+def world_seed(record: dict) -> int:
+    """The world a record was measured in (records written before worlds were recorded: the default, 0)."""
+    return record.get("world_seed", 0)
+
+
+def check_worlds(records: list[dict]) -> dict[int, Optional[str]]:
+    """{world seed: world fingerprint id} of the records. Records of one world seed whose fingerprints
+    differ (a world rebuilt differently, records from another machine) are refused by name: pooling
+    them would put world variance into the seed spread."""
+    ids: dict[int, dict[str, list[str]]] = {}
+    for r in records:
+        fp = (r.get("world") or {}).get("id")
+        ids.setdefault(world_seed(r), {}).setdefault(fp, []).append(r.get("name", "?"))
+    for w, by_id in ids.items():
+        known = {i: names for i, names in by_id.items() if i is not None}
+        if len(known) > 1:
+            desc = "; ".join(f"world {i}: {', '.join(sorted(n))}" for i, n in known.items())
+            raise ConfigError(f"study records of world seed {w} come from different worlds ({desc}): the world "
+                              "was rebuilt differently between runs; move the stale records out of "
+                              "<out_dir>/records (or use a new out_dir) and rerun")
+    return {w: next((i for i in by_id if i is not None), None) for w, by_id in ids.items()}
+
+
 def by_init(records: list[dict], inits: list[str]) -> dict[str, list[dict]]:
-    """{init: runs sorted by seed}: the zero-shot K2 drafter first, then `inits` in their order."""
+    """{init: runs sorted by world, then seed}: the zero-shot K2 drafter first, then `inits` in their order."""
     order = [ZERO_SHOT] + list(inits)
     out: dict[str, list[dict]] = {}
     for r in sorted(records, key=lambda r: (order.index(r["init"]) if r["init"] in order else len(order),
-                                            r["seed"] if r["seed"] is not None else -1)):
+                                            world_seed(r), r["seed"] if r["seed"] is not None else -1)):
         out.setdefault(r["init"], []).append(r)
+    return out
+
+
+def by_world(runs: list[dict], key: str) -> dict[int, list[float]]:
+    """{world seed: final value of `key` per run}."""
+    out: dict[int, list[float]] = {}
+    for r in runs:
+        out.setdefault(world_seed(r), []).append(value(r["points"][-1], key))
     return out
 
 
@@ -122,15 +153,25 @@ def plot_curves(groups: dict[str, list[dict]], inits: list[str], metrics: list[t
 
 
 def derived(groups: dict[str, list[dict]], metrics: list[tuple[str, str]], primary: str, confidence: float) -> dict:
-    """The token saving of the K2 start on the primary accept length, and the final difference
-    (K2 start - scratch) of every metric with its Welch interval."""
+    """The token saving of the K2 start on the primary accept length (run pairs within a world), the
+    final difference (K2 start - scratch) of every metric with its interval (over worlds when there are
+    several: eval/study_stats.world_difference), and each init's seed and world spread."""
     fast, slow = groups.get("aqmedai_k2", []), groups.get("scratch", [])
-    out = {"primary": primary, "saving": token_saving(series(fast, f"tau {primary}"), series(slow, f"tau {primary}")),
-           "final_difference": {}}
+    ratios, pairs, not_reached, at_start = [], 0, 0, 0
+    for w in sorted({world_seed(r) for r in fast + slow}):
+        sav = token_saving(series([r for r in fast if world_seed(r) == w], f"tau {primary}"),
+                           series([r for r in slow if world_seed(r) == w], f"tau {primary}"))
+        ratios += sav["ratios"]
+        pairs, not_reached, at_start = pairs + sav["pairs"], not_reached + sav["not_reached"], at_start + sav["at_start"]
+    m, sd = mean_std(ratios)
+    out = {"primary": primary, "saving": {"ratios": ratios, "mean": m, "std": sd, "min": min(ratios, default=m),
+                                          "max": max(ratios, default=m), "pairs": pairs, "not_reached": not_reached,
+                                          "at_start": at_start},
+           "final_difference": {}, "spread": {}}
     for key, title in metrics:
-        a = [value(r["points"][-1], key) for r in fast]
-        b = [value(r["points"][-1], key) for r in slow]
-        out["final_difference"][title] = welch_interval(a, b, confidence)
+        out["final_difference"][title] = world_difference(by_world(fast, key), by_world(slow, key), confidence)
+        out["spread"][title] = {init: world_spread(by_world(runs, key)) for init, runs in groups.items()
+                                if init != ZERO_SHOT}
     return out
 
 
@@ -161,13 +202,17 @@ def knob_table(taus: dict[str, float], knobs: list[SpecKnobs], lat) -> dict[str,
     return out
 
 
-def ngram_group(out_dir: Path) -> dict[str, list[dict]]:
-    """The n-gram baseline's grid as a one-run group for knob_search ({} when it was not measured)."""
-    try:
-        rec = json.loads((Path(out_dir) / NGRAM_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return {NGRAM: [{"final": {"grid_tau": rec["grid_tau"]}}]}
+def ngram_group(out_dir: Path, worlds: list[int]) -> dict[str, list[dict]]:
+    """The n-gram baseline's grid, one run per world (`[world<k>-]ngram.json`), as a group for
+    knob_search ({} when it was not measured)."""
+    runs = []
+    for w in worlds:
+        try:
+            rec = json.loads((Path(out_dir) / (("" if w == 0 else f"world{w}-") + NGRAM_FILE)).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        runs.append({"final": {"grid_tau": rec["grid_tau"]}})
+    return {NGRAM: runs} if runs else {}
 
 
 def knob_search(groups: dict[str, list[dict]], lat, flat=None) -> dict[str, dict]:
@@ -238,7 +283,9 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not records:
         raise ConfigError(f"no run records under {out_dir / RECORDS}: run the study first (report_only=false)")
-    records = [r for r in records if r["init"] == ZERO_SHOT or (r["init"] in cfg.inits and r["seed"] in cfg.seeds)]
+    records = [r for r in records if world_seed(r) in cfg.world_seeds
+               and (r["init"] == ZERO_SHOT or (r["init"] in cfg.inits and r["seed"] in cfg.seeds))]
+    worlds = check_worlds(records)
     groups = by_init(records, cfg.inits)
     zs = groups.get(ZERO_SHOT, [None])[0]
     inits = [i for i in cfg.inits if i in groups]
@@ -246,13 +293,15 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     lat = latencies_from_config(cfg.cost)
     result = {"derived": derived(groups, metrics, cfg.primary_knob, cfg.confidence),
               "forgetting": forgetting(groups, cfg.primary_knob),
-              "knobs": knob_search({**groups, **ngram_group(out_dir)}, lat, PRESETS.get(cfg.cost.preset)),
+              "knobs": knob_search({**groups, **ngram_group(out_dir, sorted(worlds))}, lat,
+                                   PRESETS.get(cfg.cost.preset)),
               "latencies": {k: getattr(lat, k) for k in ("baseline_token_ms", "verify_ms", "verify_ms_per_token",
                                                           "draft_step_ms", "draft_extend_ms", "source")},
               "plots": plot_curves(groups, inits, metrics, out_dir, zs["points"][0] if zs else None),
               "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "timings": load_timings(out_dir),
-              "seeds": {i: [r["seed"] for r in groups[i]] for i in inits}}
+              "seeds": {i: sorted({r["seed"] for r in groups[i]}) for i in inits},
+              "worlds": {str(w): fp for w, fp in sorted(worlds.items())}}
     result["recommendation"] = recommendation(result["knobs"], cfg)
     result["table"] = budget_table(groups, inits, metrics)
     atomic_write_json(out_dir / "report.json", result)
@@ -288,13 +337,29 @@ def render_derived(d: dict, confidence: float) -> list[str]:
     sav = d["saving"]
     saving = ("not measurable" if not sav["ratios"] else
               f"{sav['mean']:.2f}x ± {sav['std']:.2f} (range {sav['min']:.2f}x-{sav['max']:.2f}x over "
-              f"{len(sav['ratios'])} of {sav['pairs']} seed pairs)")
+              f"{len(sav['ratios'])} of {sav['pairs']} seed pairs, each pair within one world)")
+    level = next((ci["level"] for ci in d["final_difference"].values()), "seeds (one world)")
+    how = ("Welch interval over seeds; this covers ONE world: world-to-world variation is not in it"
+           if level != "worlds" else "interval over worlds (Student t on the per-world differences, "
+           "so world-to-world variation is in it)")
     lines = ["## Derived answers", "",
              f"- Token saving of the K2 start (sim tau {d['primary']}): scratch's final tokens / the tokens the K2 "
              f"start needs to first reach scratch's final value: **{saving}**; pairs never reached: "
              f"{sav['not_reached']}, reached at 0 tokens: {sav['at_start']}.",
-             f"- Final difference, K2 start - scratch, with its {100 * confidence:.0f}% Welch interval:"]
-    return lines + [f"  - {title}: {_ci(ci)}" for title, ci in d["final_difference"].items()]
+             f"- Final difference, K2 start - scratch, with its {100 * confidence:.0f}% {how}:"]
+    lines += [f"  - {title}: {_ci(ci)}" + ("" if ci["level"] != "worlds" else " (per world: " + ", ".join(
+        f"{w}: {v:+.3f}" for w, v in ci["per_world"].items()) + ")") for title, ci in d["final_difference"].items()]
+    spread = d.get("spread") or {}
+    if spread:
+        lines += ["", "Spread of the final values: seed = pooled std over seeds within a world, world = std of "
+                  "the world means (- with one world).", "",
+                  _row(["metric", "drafter", "mean", "seed spread", "world spread", "worlds x runs"]), _rule(6)]
+        fmt = lambda v: "-" if v != v else f"{v:.3f}"  # noqa: E731
+        for title, per_init in spread.items():
+            for init, sp in per_init.items():
+                lines.append(_row([title, LABELS.get(init, init), fmt(sp["mean"]), fmt(sp["seed_std"]),
+                                   fmt(sp["world_std"]), f"{sp['worlds']} x {sp['runs']}"]))
+    return lines
 
 
 def render_forgetting(rows: list[dict], primary: str) -> list[str]:
@@ -349,7 +414,8 @@ def render_real(groups: dict[str, list[dict]]) -> list[str]:
 def render(result: dict, groups: dict[str, list[dict]], cfg) -> str:
     lines = [f"# Study: is the K2 drafter a better start for K2.5 than scratch? ({result['date']}, "
              f"{result['machine']})", "",
-             f"Seeds per init: {result['seeds']}; x = real training tokens seen; spread = sample std over seeds.",
+             f"Worlds (seed: fingerprint): {result.get('worlds')}; training seeds per init: {result['seeds']}; "
+             f"x = real training tokens seen; spread = sample std over all runs (every world and seed).",
              "", "## Learning curves (held-out K2.5 traffic)", "", result["table"], ""]
     lines += [f"![{k}]({v})" for k, v in result["plots"].items()] + [""]
     lines += render_derived(result["derived"], cfg.confidence) + [""]
