@@ -6,45 +6,15 @@ import torch
 
 from eagle3.accept_sim import SpecKnobs
 from eagle3.real_loop.chain import eos_ids, greedy_decode, speculative_decode
-from eagle3.real_loop.check import capture_sequence, real_vs_simulated
-from eagle3.target_io import load_lm_head_rows, load_target
-from eagle3.unroll import ttt_unroll
-from tests.fixtures.real_loop import AUX_H, DRAFT_V, new_drafter, prompts
-from tests.fixtures.tiny import TINY_VOCAB
+from eagle3.real_loop.check import real_vs_simulated
+from eagle3.target_io import load_target
+from tests.fixtures.real_loop import fitted_drafter, new_drafter, prompts
 
 
 @pytest.fixture(scope="module")
 def target(tiny_k25_target):
     model, _ = load_target(tiny_k25_target, "kimi_k25", dtype="float32")
     return model
-
-
-def fitted_drafter(tiny_k25_target, target, seqs, steps=60):
-    """A drafter over-fitted to the target's greedy continuations of `seqs` (its vocab = their tokens)."""
-    d = new_drafter(tiny_k25_target)
-    data = []
-    for ids, plen in seqs:
-        aux, argmax = capture_sequence(target, ids, AUX_H)
-        mask = torch.zeros(ids.numel(), dtype=torch.bool)
-        mask[plen:] = True
-        data.append((aux, ids, argmax, mask))
-    used = torch.unique(torch.cat([x[2] for x in data] + [x[1] for x in data]))
-    pad = torch.tensor([i for i in range(TINY_VOCAB) if i not in set(used.tolist())][: DRAFT_V - used.numel()])
-    vocab = torch.sort(torch.cat([used, pad])).values
-    t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
-    t2d[vocab] = True
-    d.set_vocab_mapping(vocab - torch.arange(DRAFT_V), t2d)
-    rows = load_lm_head_rows(tiny_k25_target, "kimi_k25", vocab).float()
-    decoder = target.model.language_model
-    opt = torch.optim.Adam(d.trainable_parameters(), lr=3e-3)
-    lasts = [decoder(input_ids=ids[None]).last_hidden_state.detach() for _, ids, _, _ in data]
-    for _ in range(steps):
-        for (aux, ids, argmax, mask), last in zip(data, lasts):
-            out = ttt_unroll(d, aux[None], ids[None], last, argmax[None], mask[None], rows, 3)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-    return d.eval()
 
 
 @pytest.mark.parametrize("steps,draft_tokens", [(2, 3), (3, 4), (3, 3)])
