@@ -14,7 +14,10 @@ Two engines: a running `vllm serve` (engine=server, HTTP; the client needs no vl
 (inprocess) or the server answers and serves the target (server); otherwise the error prints the exact
 `vllm serve ...` command. Faults: an engine that stops answering or a file missing / truncated after
 `vllm.retries` re-requests stops the run with a CaptureError; everything committed stays, and the rerun
-resumes (the writer's resume) after deleting the files the interrupted run left.
+resumes (the writer's resume) after deleting the files the interrupted run left. A connector file is
+never deleted while vLLM's writer still holds its lock (a read that times out on the lock re-requests and
+leaves that file for a sweep once the lock is released). target.dtype=float16 is refused for DeepSeek-family
+targets (vllm_protocol.fp16_rescale_problem).
 """
 from __future__ import annotations
 
@@ -61,6 +64,10 @@ def engine_max_model_len(cfg, max_len: int) -> int:
 
 def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> VllmSetup:
     v = cfg.vllm
+    problem = vllm_protocol.fp16_rescale_problem(
+        target_io.read_text_config(cfg.target.path, cfg.target.layout), cfg.target.dtype)
+    if problem:
+        raise CaptureError(problem)
     ids = vllm_protocol.request_ids(hf_indices, num_layers)
     aux_pos, last_pos = vllm_protocol.layer_positions(hf_indices, num_layers)
     root = Path(v.storage_dir) if v.storage_dir else Path(cfg.out_dir) / "vllm_hidden_states"
@@ -209,16 +216,32 @@ class Teacher:
         return last, target_io.argmax_from_last(self.holder, last, self.chunk).cpu()
 
 
-def clean_storage(storage_dir: Path) -> int:
-    """Delete the connector files an interrupted run left (none are in flight: one capture per out_dir)."""
-    stale = vllm_protocol.leftover_files(storage_dir)
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return len(stale)
+def clean_storage(storage_dir: Path) -> tuple[int, int]:
+    """Delete the connector files an interrupted run left: (deleted, still being written). A file whose
+    writer still holds its lock (an engine still running the old run's request) is left alone."""
+    stale = {str(p)[: -len(vllm_protocol.LOCK_SUFFIX)] if p.name.endswith(vllm_protocol.LOCK_SUFFIX) else str(p)
+             for p in vllm_protocol.leftover_files(storage_dir)}
+    live = [p for p in sorted(stale) if not vllm_protocol.remove_states_file(p)]
+    return len(stale) - len(live), len(live)
 
 
-def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, stats: dict) -> torch.Tensor:
-    """The sequence's [T, num_ids, H] states; a missing / truncated file is asked for again."""
+def sweep(deferred: list[str], wait_s: float = 0.0) -> list[str]:
+    """Delete the files of `deferred` whose writers have released their locks (waiting up to `wait_s`
+    for each); returns those still being written (left for the next sweep or the next run's clean-up)."""
+    live = []
+    for path in deferred:
+        if wait_s > 0:
+            vllm_protocol.wait_unlocked(path, wait_s)
+        if not vllm_protocol.remove_states_file(path):
+            live.append(path)
+    return live
+
+
+def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, stats: dict,
+          deferred: list[str]) -> torch.Tensor:
+    """The sequence's [T, num_ids, H] states; a missing / truncated / still-locked file is asked for
+    again. A file whose writer still holds the lock is not deleted (the writer would leave it behind
+    with no lock): it goes to `deferred`, swept once the writer releases it."""
     for attempt in range(cfg.vllm.retries + 1):
         try:
             if Path(path).parent.resolve() != setup.storage_dir:
@@ -226,7 +249,8 @@ def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, sta
                                    f"layer ids or another directory; restart it with: {setup.serve_command}")
             return vllm_protocol.read_states_file(path, x, len(setup.ids), H, cfg.vllm.lock_timeout_s)
         except vllm_protocol.ConnectorFileError as e:
-            vllm_protocol.remove_states_file(path)
+            if not vllm_protocol.remove_states_file(path):
+                deferred.append(path)
             if not e.retryable:
                 raise CaptureError(f"{e}; restart the engine with: {setup.serve_command}") from None
             if attempt == cfg.vllm.retries:
@@ -244,14 +268,16 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
     from tqdm import tqdm
 
     store_dtype = getattr(torch, cfg.dtype)
-    removed = clean_storage(setup.storage_dir)
-    if removed:
-        print(f"[capture] deleted {removed} connector files an interrupted run left in {setup.storage_dir}")
+    removed, live = clean_storage(setup.storage_dir)
+    if removed or live:
+        print(f"[capture] deleted {removed} connector files an interrupted run left in {setup.storage_dir}"
+              + (f"; {live} still being written by the engine are left for the next run" if live else ""))
     H = teacher.norm_weight.shape[0]
     batches = make_batches(seqs, cfg.max_tokens_per_batch)
     todo = [[s for s in b if s.id not in writer.done_ids] for b in batches]
     todo = [b for b in todo if b]
     stats = {"re_requested": 0, "engine_token_agrees": 0, "engine_token_checked": 0}
+    deferred: list[str] = []  # files whose writers held the lock past vllm.lock_timeout_s
     non_finite: list[str] = []
     total, start, done = sum(s.length for b in todo for s in b), time.time(), 0
     with tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not cfg.progress, mininterval=1.0) as bar:
@@ -266,9 +292,9 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                                   f"the engine again and rerun to resume ({setup.serve_command})") from None
             for k, (s, x, m, (path, greedy)) in enumerate(zip(batch, ids, masks, replies)):
                 try:
-                    hs = _read(engine, setup, x, path, H, cfg, stats)  # [T, num_ids, H]
+                    hs = _read(engine, setup, x, path, H, cfg, stats, deferred)  # [T, num_ids, H]
                 except CaptureError:
-                    for later_path, _ in replies[k + 1:]:
+                    for later_path, _ in replies[k + 1:]:  # a file still being written stays for the next run
                         vllm_protocol.remove_states_file(later_path)
                     raise
                 last, argmax = teacher(hs[:, setup.last_pos])
@@ -286,5 +312,10 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                 vllm_protocol.remove_states_file(path)
                 done += 1
             bar.update(sum(s.length for s in batch))
-    return {"batches": len(batches), "batches_run": len(todo), "tokens_run": total,
+            deferred = sweep(deferred)
+    deferred = sweep(deferred, cfg.vllm.lock_timeout_s)
+    if deferred:
+        print(f"[capture] {len(deferred)} connector files are still being written by the engine (their writers "
+              f"hold the lock): left in {setup.storage_dir} for the next run's clean-up")
+    return {"left_for_sweep": len(deferred), "batches": len(batches), "batches_run": len(todo), "tokens_run": total,
             "seconds": round(time.time() - start, 3), "non_finite_this_run": non_finite, **stats}

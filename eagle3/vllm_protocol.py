@@ -24,8 +24,17 @@ itself cannot run on the project's machines, so none of this has been exercised 
   for `vllm serve`, first choice's request only). Its docstring: MLA verifiers are unsupported where the
   hidden-state layer is not alone in its KV-cache group (a one-group layout passes).
 - vllm/config/kv_transfer.py (kv_connector, kv_role, kv_connector_extra_config), engine/arg_utils.py
-  (--speculative-config / --kv-transfer-config as JSON, --no-enable-chunked-prefill); vLLM's example
-  examples/offline_inference/extract_hidden_states.py marks chunked prefill off as required.
+  (--speculative-config / --kv-transfer-config as JSON).
+- Chunked prefill stays on (vLLM's default). vLLM's example extract_hidden_states.py still says
+  `enable_chunked_prefill=False  # required`, from before vLLM PR #43805, which moved the save out of the
+  per-step path. In 0.34.0 nothing on this path reads enable_chunked_prefill; the model runner calls the
+  speculator's propose() after every step (v1/worker/gpu/model_runner.py 2358-2383), which caches that
+  step's tokens at their slots (v1/worker/gpu/spec_decode/extract_hidden_states.py 133-157); the
+  connector's save_kv_layer is a no-op (example_hidden_states_connector.py 349-358) and the file is cut
+  from all the request's blocks once, when it finishes (request_finished 521-560, get_finished ->
+  _submit_async_write 562-580, 360-399). Turning it off is what 0.34.0 warns against for generate models
+  ("may cause the engine to crash or produce incorrect outputs", engine/arg_utils.py 3092-3099).
+  tests/test_vllm_sources.py runs that bookkeeping over a prefill in chunks.
 - vllm/entrypoints/openai/completion/protocol.py: `prompt` may be a list of token ids; `return_token_ids`
   echoes them as `choices[0].prompt_token_ids`; `kv_transfer_params` on the response.
 speculators 0.9.0 (speculators/data_generation/vllm_client.py) drives the same protocol: max_tokens=1,
@@ -89,6 +98,31 @@ def layer_positions(hf_indices: Sequence[int], num_layers: int) -> tuple[list[in
     return [ids.index(i) for i in aux_layers.ids_for_rule(hf_indices, "vllm")], len(ids) - 1
 
 
+# vLLM routes these text models through deepseek_v2.py (Kimi-K2 / K2.5's text model is "kimi_k2" /
+# "deepseek_v3"): the model types whose fp16 residual stream vLLM rescales
+DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+
+
+def fp16_rescale_problem(text_config: dict, dtype: str) -> str | None:
+    """Why the engine's aux states would not be HF's at `dtype`, or None. vLLM 0.34.0's
+    DeepseekV2DecoderLayer.forward (model_executor/models/deepseek_v2.py 1382-1393 and 1415-1421) "fixes
+    FP16 overflow" in float16 only: with MLA / V2 attention (not the plain `deepseek` model type, not all
+    qk head dims 0: lines 1280-1292) it multiplies each layer's attention output, the layer-0 residual and
+    the dense MLP output by 1 / routed_scaling_factor, so the residual stream, which is what an aux state
+    is (`hidden_states + residual`, lines 1561-1562), is not HF's (scaled, in fp16 rounding). The final
+    norm hides a common factor; the aux states do not."""
+    if dtype != "float16" or text_config.get("model_type") not in DEEPSEEK_FAMILY:
+        return None
+    factor = float(text_config.get("routed_scaling_factor") or 1.0)
+    plain_mha = all(int(text_config.get(k) or 0) == 0 for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    if factor == 1.0 or plain_mha:
+        return None
+    return (f"target.dtype=float16 with capture.backend=vllm: vLLM {VLLM_VERSION} runs this "
+            f"{text_config.get('model_type')} target's residual stream divided by routed_scaling_factor="
+            f"{factor:g} in fp16 (deepseek_v2.py, DeepseekV2DecoderLayer.forward), so its aux states would not "
+            f"be the HF model's; capture in bfloat16 (what Kimi serves) or float32, or use backend=hf")
+
+
 def speculative_config(ids: Sequence[int]) -> dict:
     return {"method": SPEC_METHOD, "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {IDS_KEY: [int(i) for i in ids]}}}
@@ -102,7 +136,7 @@ def llm_kwargs(target_path: str | Path, ids: Sequence[int], storage_dir: str | P
                max_model_len: int | None, trust_remote_code: bool, dtype: str) -> dict:
     """Keyword arguments of `vllm.LLM(...)` for an in-process capture engine."""
     kw = {"model": str(target_path), "tensor_parallel_size": int(tensor_parallel_size), "dtype": dtype,
-          "trust_remote_code": bool(trust_remote_code), "enable_chunked_prefill": False,
+          "trust_remote_code": bool(trust_remote_code),
           "speculative_config": speculative_config(ids), "kv_transfer_config": kv_transfer_config(storage_dir)}
     if max_model_len is not None:
         kw["max_model_len"] = int(max_model_len)
@@ -113,7 +147,7 @@ def serve_command(target_path: str | Path, ids: Sequence[int], storage_dir: str 
                   max_model_len: int | None, trust_remote_code: bool, dtype: str, host: str, port: int) -> str:
     """The exact `vllm serve ...` line (shell-quoted) that starts an engine this backend can use."""
     args = ["vllm", "serve", str(target_path), "--tensor-parallel-size", str(int(tensor_parallel_size)),
-            "--dtype", dtype, "--no-enable-chunked-prefill"]
+            "--dtype", dtype]
     if max_model_len is not None:
         args += ["--max-model-len", str(int(max_model_len))]
     if trust_remote_code:
@@ -157,22 +191,22 @@ def parse_request_output(output) -> tuple[str, int | None]:
     return path, (int(tokens[0]) if tokens else None)
 
 
-def _wait_unlocked(lock_path: Path, timeout_s: float, poll_s: float = 0.05) -> None:
-    """Wait until the connector's writer has released its exclusive lock (a shared lock succeeds)."""
+def wait_unlocked(path: str | Path, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until the connector's writer has released the exclusive lock of `<path>.lock` (a shared
+    lock succeeds); False if it still holds it after `timeout_s`."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY)
+        fd = os.open(str(path) + LOCK_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
-        return  # no lock file: written without synchronisation, or already released and removed
+        return True  # no lock file: written without synchronisation, or already released and removed
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return
+                return True
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise ConnectorFileError(f"{lock_path}: the engine still holds the write lock after "
-                                             f"{timeout_s:.0f}s", retryable=True) from None
+                    return False
                 time.sleep(poll_s)
     finally:
         os.close(fd)
@@ -186,7 +220,9 @@ def read_states_file(path: str | Path, token_ids: torch.Tensor, num_ids: int, hi
     from safetensors.torch import load_file
 
     path = Path(path)
-    _wait_unlocked(Path(str(path) + LOCK_SUFFIX), lock_timeout_s)
+    if not wait_unlocked(path, lock_timeout_s):
+        raise ConnectorFileError(f"{path}{LOCK_SUFFIX}: the engine still holds the write lock after "
+                                 f"{lock_timeout_s:.0f}s", retryable=True)
     if not path.is_file():
         raise ConnectorFileError(f"{path}: connector file missing (the engine named it in its reply)", retryable=True)
     try:
@@ -211,10 +247,42 @@ def read_states_file(path: str | Path, token_ids: torch.Tensor, num_ids: int, hi
     return hs
 
 
-def remove_states_file(path: str | Path) -> None:
-    """Delete one connector file and its lock (what vLLM's cleanup_hidden_states does)."""
-    for p in (Path(str(path) + LOCK_SUFFIX), Path(path)):
-        p.unlink(missing_ok=True)
+def writer_holds_lock(path: str | Path) -> bool:
+    """True while the connector's writer still holds the exclusive lock of `<file>.lock`."""
+    try:
+        fd = os.open(str(path) + LOCK_SUFFIX, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_states_file(path: str | Path) -> bool:
+    """Delete one connector file and its lock (what vLLM's cleanup_hidden_states does), but never under
+    a live writer: while the writer holds the lock nothing is deleted and False comes back (deleting
+    then would leave the writer's file behind with no lock; the caller leaves it for a later sweep).
+    The check and the deletion happen under our own exclusive lock, so no writer can be mid-write."""
+    lock = Path(str(path) + LOCK_SUFFIX)
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        Path(path).unlink(missing_ok=True)  # no lock: written without synchronisation, or already released
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        Path(path).unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def leftover_files(storage_dir: str | Path) -> list[Path]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data import capture_vllm
 from data.capture import CaptureError, Dist, run_capture
 from eagle3 import aux_layers, vllm_protocol
 from eagle3.store import HiddenStateStore
@@ -82,8 +83,49 @@ def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
                                            "eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}}}
     assert args.kv_transfer_config == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                        "kv_connector_extra_config": {"shared_storage_path": "/data/hs"}}
-    with pytest.raises(StandinError, match="chunked"):
-        parse_serve_command(cmd.replace(" --no-enable-chunked-prefill", ""))
+    # chunked prefill stays on (vLLM's default; the reasons in eagle3/vllm_protocol.py's docstring; its
+    # bookkeeping run through vLLM's own code in tests/test_vllm_sources.py)
+    assert "chunked" not in cmd and not any("chunked" in k for k in vllm_protocol.llm_kwargs(
+        "/m", [2, 61], "/hs", tensor_parallel_size=1, max_model_len=None, trust_remote_code=False, dtype="bfloat16"))
+    with pytest.raises(StandinError, match="--no-enable-chunked-prefill"):  # the stand-in refuses unknown flags
+        parse_serve_command(cmd + " --no-enable-chunked-prefill")
+
+
+def test_fp16_is_refused_for_deepseek_targets_whose_residual_vllm_rescales(tmp_path, targets, prepared):  # noqa: F811
+    mla = {"model_type": "deepseek_v3", "routed_scaling_factor": 2.827, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64}
+    assert "routed_scaling_factor=2.827" in vllm_protocol.fp16_rescale_problem(mla, "float16")
+    for cfg_, dtype in ((mla, "bfloat16"), (mla, "float32"), ({**mla, "model_type": "kimi_k2"}, "bfloat16"),
+                        ({**mla, "routed_scaling_factor": 1.0}, "float16"),  # a factor of 1 changes nothing
+                        ({**mla, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0}, "float16"),  # plain MHA: no rescale
+                        ({**mla, "model_type": "deepseek"}, "float16"), ({"model_type": "llama"}, "float16")):
+        assert vllm_protocol.fp16_rescale_problem(cfg_, dtype) is None, (cfg_, dtype)
+    assert vllm_protocol.fp16_rescale_problem({**mla, "model_type": "kimi_k2"}, "float16")
+    cfg = vllm_config(tmp_path, targets, prepared, overrides=["target.dtype=float16"])  # the tiny DeepSeek-V3
+    with pytest.raises(CaptureError, match=r"float16.*routed_scaling_factor=2\.5.*bfloat16"):
+        run_capture(cfg, Dist())
+    assert not (tmp_path / "vllm").exists()  # refused before any work
+    serve_command_of(vllm_config(tmp_path, targets, prepared, overrides=["target.dtype=bfloat16"]))  # accepted
+
+
+def test_a_writer_holding_the_lock_past_the_timeout_is_never_deleted_under(tmp_path, targets, prepared,  # noqa: F811
+                                                                          hf_store):
+    cfg = vllm_config(tmp_path, targets, prepared, overrides=["vllm.lock_timeout_s=0.3"])
+    cmd = serve_command_of(cfg)
+    with StandinServer.from_command(cmd, "kimi_k25", Faults(hold={3})) as server:
+        out = run_capture(cfg, Dist())
+        held = server.engine.storage / f"standin-3{vllm_protocol.FILE_SUFFIX}"
+        # the capture is complete from the re-request, and the held file was never deleted under its writer
+        run = json.loads((out / "manifest.json").read_text())["splits"]["train"]["this_run"]
+        assert (run["re_requested"], run["left_for_sweep"]) == (1, 1)
+        assert vllm_protocol.writer_holds_lock(held) and Path(str(held) + vllm_protocol.LOCK_SUFFIX).exists()
+        assert not vllm_protocol.remove_states_file(held)  # the writer is live: nothing is deleted
+        server.engine.faults.release.set()
+        for w in server.engine.writers:
+            w.join()
+    assert_same_store(hf_store, out)
+    assert held.is_file() and not vllm_protocol.writer_holds_lock(held)  # the writer finished its file
+    assert capture_vllm.clean_storage(held.parent) == (1, 0)  # the next run's sweep deletes it
+    assert_no_connector_files(cfg)
 
 
 def test_connector_file_reader_waits_for_the_lock_and_names_each_fault(tmp_path):

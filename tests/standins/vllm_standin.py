@@ -13,7 +13,8 @@ the HF mini targets and speaking the protocol of eagle3/vllm_protocol.py (vLLM 0
 
 Faults, by request number (0-based, re-requests count): `drop` (reply, no file), `truncate` (reply, file
 cut short), `die_after` (the server stops answering after that many completions), `write_delay_s`
-(the reply comes first and the file later, under the lock, as vLLM's writer thread does).
+(the reply comes first and the file later, under the lock, as vLLM's writer thread does), `hold` (the
+writer holds the lock, file unwritten, until the test sets `release`: a writer slower than any timeout).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class Faults:
     truncate: set = field(default_factory=set)
     die_after: int | None = None
     write_delay_s: float = 0.0
+    hold: set = field(default_factory=set)  # these requests' writers hold the lock until `release` is set
+    release: threading.Event = field(default_factory=threading.Event)
 
 
 class StandinError(ValueError):
@@ -93,12 +96,14 @@ class StandinEngine:
         write = threading.Thread(target=self._write, args=(n, path, states, x[0], fd), daemon=True)
         write.start()
         self.writers.append(write)
-        if not self.faults.write_delay_s:
+        if not self.faults.write_delay_s and n not in self.faults.hold:
             write.join()
         return str(path), greedy
 
     def _write(self, n: int, path: Path, states: torch.Tensor, tokens: torch.Tensor, fd: int) -> None:
         time.sleep(self.faults.write_delay_s)
+        if n in self.faults.hold:
+            self.faults.release.wait()
         if n in self.faults.drop:
             import os
             os.close(fd)
@@ -130,10 +135,7 @@ def fake_vllm_module(faults: Faults | None = None, layout: str = "kimi_k25") -> 
 
     class LLM:
         def __init__(self, model, *, tensor_parallel_size=1, dtype="auto", trust_remote_code=False,
-                     enable_chunked_prefill=None, speculative_config=None, kv_transfer_config=None,
-                     max_model_len=None):
-            if enable_chunked_prefill is not False:
-                raise StandinError("extract_hidden_states needs enable_chunked_prefill=False")
+                     speculative_config=None, kv_transfer_config=None, max_model_len=None):
             self.engine = StandinEngine(model, layout, dtype, speculative_config or {}, kv_transfer_config or {},
                                         max_model_len, faults)
             self.tensor_parallel_size = tensor_parallel_size
@@ -162,16 +164,15 @@ def parse_serve_command(command: str) -> argparse.Namespace:
     p.add_argument("model")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--no-enable-chunked-prefill", dest="chunked", action="store_false", default=True)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--speculative-config", type=json.loads, required=True)
     p.add_argument("--kv-transfer-config", type=json.loads, required=True)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    args = p.parse_args(argv[2:])
-    if args.chunked:
-        raise StandinError("extract_hidden_states needs --no-enable-chunked-prefill")
+    args, unknown = p.parse_known_args(argv[2:])
+    if unknown:
+        raise StandinError(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
 
@@ -202,6 +203,7 @@ class StandinServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.engine.faults.release.set()  # the engine stops: held writers finish
         for w in self.engine.writers:
             w.join()
 
