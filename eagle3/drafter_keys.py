@@ -123,7 +123,8 @@ KEYS: tuple[Key, ...] = (
         ("rms_norm_eps", "every RMSNorm's epsilon"), ("rope_theta", "rope base"),
         ("rope_scaling", "rope variant (default / linear / llama3 implemented; others refused)"),
         ("rope_parameters", "transformers-5 form of rope_theta + rope_scaling (SGLang, vLLM, SpecForge prefer it)"),
-        ("max_position_embeddings", "context length (rope numerics do not depend on it)"),
+        ("max_position_embeddings", "context length: SGLang / vLLM size the rope cache from it (the rope below it does "
+                                    "not depend on it)"),
         ("hidden_act", "MLP activation (silu only)"), ("bos_token_id", "id"), ("eos_token_id", "id"),
         ("pad_token_id", "id (SpecForge: embedding padding_idx; the target's embedding is used)"),
         ("torch_dtype", "weight dtype"), ("dtype", "weight dtype (transformers-5 name)"),
