@@ -92,11 +92,14 @@ def check_dataset(ds, split: str, vocab_size: int) -> None:
 
 
 def capture_batch(model, text_model, batch_ids: list[torch.Tensor], hf_indices: list[int], store_dtype: torch.dtype,
-                  argmax_chunk_tokens: int):
+                  argmax_chunk_tokens: int, images: list | None = None, image_token_id: int | None = None):
     """Forward one right-padded batch with hooks. Returns per sequence (aux [T,3H], last [T,H],
-    argmax [T], finite: bool): aux/last in the store dtype, left on the device (the store writer
-    copies them to pinned host memory on a side stream, overlapping the next forward); argmax on
-    the CPU. The finiteness check runs on the device (a CPU scan of 57 KB/token costs more)."""
+    argmax [T], finite: bool, image rows [n,H] or None): aux/last in the store dtype, left on the device (the
+    store writer copies them to pinned host memory on a side stream, overlapping the next forward); argmax on
+    the CPU. The finiteness check runs on the device (a CPU scan of 57 KB/token costs more).
+
+    `images` (an image capture): per sequence None or (pixel_values, image_grid_thw); the text model then
+    runs on the fused input embeddings (eagle3/target_images.py), whose image rows come back per sequence."""
     B, Tmax = len(batch_ids), max(len(x) for x in batch_ids)
     device = target_io.input_device(model)
     input_ids = torch.full((B, Tmax), PAD_ID, dtype=torch.long)
@@ -104,19 +107,70 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], hf_indices: 
     for b, x in enumerate(batch_ids):
         input_ids[b, : len(x)] = x
         attn[b, : len(x)] = 1
+    input_ids = input_ids.to(device)
     with torch.no_grad(), target_io.AuxHiddenCapture(model, hf_indices) as cap:
-        text_model(input_ids=input_ids.to(device), attention_mask=attn.to(device), use_cache=False)
+        fused = None
+        if image_token_id is not None:
+            fused = _fused_embeddings(model, input_ids, image_token_id, images or [None] * B)
+        if fused is None:
+            text_model(input_ids=input_ids, attention_mask=attn.to(device), use_cache=False)
+        else:
+            text_model(inputs_embeds=fused, attention_mask=attn.to(device), use_cache=False)
         last = cap.last.to(store_dtype)  # [B, Tmax, H], what lm_head consumes
         argmax = target_io.argmax_from_last(model, cap.last, argmax_chunk_tokens)  # [B, Tmax]
         aux = cap.aux_concat().to(store_dtype)  # [B, Tmax, 3H]
         pad = attn.to(aux.device) == 0
         finite = ((torch.isfinite(aux).all(-1) & torch.isfinite(last.to(aux.device)).all(-1)) | pad).all(-1)
         argmax, finite = argmax.cpu(), finite.cpu().tolist()
-    return [(aux[b, : len(x)], last[b, : len(x)], argmax[b, : len(x)], finite[b]) for b, x in enumerate(batch_ids)]
+        rows = [None] * B
+        if image_token_id is not None:  # only the image rows' fused embeddings are kept
+            emb = fused if fused is not None else None
+            rows = [(emb[b, : len(x)][x.to(device) == image_token_id].to(store_dtype) if emb is not None
+                     else torch.empty(0, last.shape[-1], dtype=store_dtype)) for b, x in enumerate(batch_ids)]
+    return [(aux[b, : len(x)], last[b, : len(x)], argmax[b, : len(x)], finite[b], rows[b])
+            for b, x in enumerate(batch_ids)]
+
+
+def _fused_embeddings(model, input_ids: torch.Tensor, image_token_id: int, images: list):
+    """Fused input embeddings [B, T, H] of a batch with images (None when it has none)."""
+    from eagle3 import target_images
+
+    present = [im for im in images if im is not None]
+    if not present:
+        return None
+    pixel_values = torch.cat([pv for pv, _ in present])
+    grid = torch.cat([g for _, g in present])
+    features = target_images.image_features(model, pixel_values, grid)
+    return target_images.fused_input_embeddings(model, input_ids, image_token_id, features)
+
+
+def sequence_images(row: dict, kept_ids: torch.Tensor, image_token_id: int):
+    """(pixel_values, image_grid_thw) of the images a sequence's kept tokens hold (all of them, or the first
+    k when capture truncated it after the k-th image's last row), None without images. Raises CaptureError
+    when the truncation cuts an image (its sequence is skipped)."""
+    from eagle3 import images as rule
+    from eagle3.target_images import pixel_inputs
+
+    data, grid_flat = row.get("images") or [], row.get("image_grid_thw") or []
+    n_rows = int((kept_ids == image_token_id).sum())
+    if not data and n_rows == 0:
+        return None
+    counts = [rule.media_pad_count(grid_flat[3 * i: 3 * i + 3]) for i in range(len(data))]
+    ends = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    if n_rows not in ends:
+        raise CaptureError(f"{n_rows} image rows in the kept tokens match no whole number of the images' "
+                           f"{counts} rows (an image cut by max_seq_len, or ids from another tokenizer)")
+    k = ends.index(n_rows)
+    if k == 0:
+        return None
+    try:
+        return pixel_inputs(data[:k], grid_flat[: 3 * k])
+    except (target_io.TargetError, ValueError) as e:
+        raise CaptureError(str(e)) from e
 
 
 def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf_indices: list[int], dist: Dist,
-                  desc: str) -> dict:
+                  desc: str, image_token_id: int | None = None) -> dict:
     """Capture this process's batches of one split into `writer` (resuming: committed sequences
     are skipped, a batch partly committed is recomputed whole so its values are unchanged)."""
     from tqdm import tqdm
@@ -134,8 +188,24 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf
             rows = [ds[s.index] for s in batch]
             ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
             masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
-            outs = capture_batch(model, tm, ids, hf_indices, store_dtype, cfg.argmax_chunk_tokens)
-            for s, x, m, (aux, last, am, finite) in zip(batch, ids, masks, outs):
+            images, cut = [None] * len(batch), {}
+            if image_token_id is not None:
+                for i, (r, x) in enumerate(zip(rows, ids)):
+                    try:
+                        images[i] = sequence_images(r, x, image_token_id)
+                    except CaptureError as e:
+                        cut[i] = str(e)
+                keep = [i for i in range(len(batch)) if i not in cut]
+                for i, why in cut.items():
+                    if batch[i].id not in writer.done_ids:
+                        writer.skip(batch[i].id, "image_mismatch")
+                        print(f"[capture] skipped {batch[i].id!r}: {why}")
+                batch, ids, masks, images = ([v[i] for i in keep] for v in (batch, ids, masks, images))
+                if not batch:
+                    continue
+            outs = capture_batch(model, tm, ids, hf_indices, store_dtype, cfg.argmax_chunk_tokens, images,
+                                 image_token_id)
+            for s, x, m, (aux, last, am, finite, image_rows) in zip(batch, ids, masks, outs):
                 if s.id in writer.done_ids:
                     continue
                 if not finite:
@@ -143,7 +213,7 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf
                     non_finite.append(s.id)
                     print(f"[capture] skipped: {NonFiniteHiddenStateError(s.id, 'aux/last')}")
                     continue
-                writer.add(s.id, x, m, aux, last, am, order=s.order, check_finite=False)
+                writer.add(s.id, x, m, aux, last, am, order=s.order, check_finite=False, image_embeds=image_rows)
             bar.update(sum(s.length for s in batch))
             hooks.fire(hooks.CAPTURE_AFTER_BATCH, sequences=[s.id for s in batch])
     return {"batches": len(batches), "batches_run": len(todo), "tokens_run": total,
@@ -228,6 +298,27 @@ def check_tokenizer(cfg, prep_manifest: dict) -> str:
     return fp
 
 
+def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
+    """The image row id when the prepared data holds images (an image capture: the store keeps the fused
+    input embeddings of those rows), else None. The id prepare rendered must be the target's image_token_id
+    (eagle3/media_tokens.py); the vLLM backend does not capture images yet."""
+    if not (prep_manifest.get("counts") or {}).get("images"):
+        return None
+    from eagle3.media_tokens import K25_IMAGE_TOKEN_ID
+
+    pad = (prep_manifest.get("media_token_ids") or {}).get("pad")
+    full = target_io.read_full_config(cfg.target.path)
+    if cfg.target.layout != "kimi_k25" or "vision_config" not in full:
+        raise CaptureError(f"{cfg.in_dir} holds images but target {cfg.target.path} has no vision tower")
+    want = int(full.get("image_token_id", K25_IMAGE_TOKEN_ID))
+    if pad != want:
+        raise CaptureError(f"{cfg.in_dir} renders images with id {pad}, the target's image_token_id is {want}")
+    if cfg.backend != "hf":
+        raise CaptureError(f"{cfg.in_dir} holds images: capture.backend={cfg.backend} does not capture images yet "
+                           "(use backend=hf)")
+    return want
+
+
 def choose_aux_layers(cfg, num_layers: int) -> AuxChoice:
     """h to capture (aux_layers.choose_hf_indices): the +init drafter's listed ids read by init.aux_id_rule
     (its disagreement between SGLang versions printed), else capture.aux_hf_indices, else SGLang's default."""
@@ -260,6 +351,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     except (target_io.TargetError, DrafterLoadError, AuxLayerError) as e:
         raise CaptureError(str(e)) from e
     hf_indices = aux.hf_indices
+    image_token_id = capture_image_token_id(cfg, prep_manifest)
     print(f"[capture] aux hidden states h = {hf_indices} (HF output_hidden_states; from {aux.source}"
           + (f", ids {aux.listed_ids} read by rule {aux.rule!r}" if aux.rule else "") + ")")
     max_len = cfg.max_seq_len or int(text_cfg["max_position_embeddings"])
@@ -300,7 +392,8 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
                                          cfg.target.device_map, cfg.target.trust_remote_code)
         if cfg.target.device_map is None:
             model.to(_process_device(dist))
-    header = {"hidden_size": H, "target_hidden_size": H, "hf_indices": hf_indices, "aux_provenance": aux.provenance()}
+    header = {"hidden_size": H, "target_hidden_size": H, "hf_indices": hf_indices, "aux_provenance": aux.provenance(),
+              "image_token_id": image_token_id}
     results = {}
     for split, ds in splits.items():
         seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
@@ -315,7 +408,8 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         if vllm_setup is not None:
             run = capture_vllm.capture_split(engine, teacher, ds, seqs, writer, cfg, vllm_setup, f"capture {split}")
         else:
-            run = capture_split(model, ds, seqs, writer, cfg, hf_indices, dist, desc=f"capture {split}")
+            run = capture_split(model, ds, seqs, writer, cfg, hf_indices, dist, desc=f"capture {split}",
+                                image_token_id=image_token_id)
         manifest = writer.finish()
         dist.barrier()
         if dist.world > 1 and dist.is_main:
@@ -333,7 +427,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         aux_bytes = n_aux * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else n_aux * H * state_bytes
         bytes_per_token = aux_bytes + H * state_bytes + 9
         write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
-                       hf_indices=hf_indices, aux_layers=aux.provenance(),
+                       hf_indices=hf_indices, aux_layers=aux.provenance(), image_token_id=image_token_id,
                        target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
                                "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
                        world_size=dist.world, store_dtype=cfg.dtype, store_aux_dtype=cfg.aux_dtype or cfg.dtype,

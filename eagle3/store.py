@@ -5,6 +5,9 @@ Layout of a store directory:
     shard-NNNNN.safetensors   sequences packed back to back: aux [N,3H], last [N,H] (bf16 by default),
                               input_ids int32 [N], loss_mask uint8 [N], target_argmax int32 [N],
                               offsets int64 [S+1] (sequence s is rows offsets[s]:offsets[s+1])
+                              with image_token_id in the header (an image capture): image_embeds [M, H] (dtype),
+                              the target's fused input embedding (projector output) at the image rows only, in
+                              order, and image_offsets int64 [S+1] (sequence s's are image_offsets[s]:[s+1])
 
 aux_dtype="float8_e4m3fn" (opt-in; default: aux in `dtype`) halves the aux bytes: `aux` holds fp8 e4m3fn
 codes and `aux_scale` fp32 [N, layers] one scale per (token, captured layer) row (eagle3/fp8.py); the
@@ -47,7 +50,8 @@ __all__ = ["HiddenStateStore", "HiddenStateWriter", "merge_stores", "StoreError"
 
 class HiddenStateStore:
     """Random access to a store's sequences: `store[i]` is a dict of CPU tensors
-    {"id", "input_ids" Long[T], "loss_mask" Bool[T], "aux" [T,3H], "last" [T,H], "target_argmax" Long[T]}.
+    {"id", "input_ids" Long[T], "loss_mask" Bool[T], "aux" [T,3H], "last" [T,H], "target_argmax" Long[T]}
+    (+ "image_embeds" [n, H] in an image store: the fused input embeddings of its n image rows).
     Shards are memory-mapped via safetensors `safe_open`; the most recently used one stays open.
 
     verify="size" checks every listed shard's size at open; "sha256" also hashes each shard the first
@@ -98,6 +102,7 @@ class HiddenStateStore:
     aux_dtype = property(lambda self: header_value(self.manifest, "aux_dtype"))
     meta = property(lambda self: self.manifest["meta"])
     num_tokens = property(lambda self: int(self.manifest["num_tokens"]))
+    image_token_id = property(lambda self: self.manifest.get("image_token_id"))  # None: a text store
 
     def __len__(self) -> int:
         return len(self._index)
@@ -131,7 +136,7 @@ class HiddenStateStore:
         a, b = self._starts[si][j], self._starts[si][j + 1]
         h = self._shard(si)
         try:
-            return {
+            item = {
                 "id": self._shards[si]["ids"][j],
                 "input_ids": h.get_slice("input_ids")[a:b].long(),
                 "loss_mask": h.get_slice("loss_mask")[a:b].bool(),
@@ -139,6 +144,13 @@ class HiddenStateStore:
                 "last": h.get_slice("last")[a:b],
                 "target_argmax": h.get_slice("target_argmax")[a:b].long(),
             }
+            if self.image_token_id is not None:  # [n, H]: n = the sequence's image_token_id positions, in order
+                ia, ib = h.get_slice("image_offsets")[j:j + 2].tolist()
+                item["image_embeds"] = h.get_slice("image_embeds")[ia:ib]
+                if ib - ia != int((item["input_ids"] == self.image_token_id).sum()):
+                    raise StoreError(f"{ib - ia} image rows stored for "
+                                     f"{int((item['input_ids'] == self.image_token_id).sum())} image positions")
+            return item
         except Exception as e:
             raise StoreError(f"{self.dir / self._shards[si]['file']}: cannot read sequence "
                              f"{self._shards[si]['ids'][j]!r} ({e}); corrupt shard, rerun capture") from e

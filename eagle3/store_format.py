@@ -16,7 +16,7 @@ MANIFEST = "manifest.json"
 DTYPES = TORCH_FLOAT_DTYPES  # the store's state dtypes: every float dtype name
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
 HEADER_KEYS = ("hidden_size", "target_hidden_size", "hf_indices", "dtype", "aux_dtype",
-               "shard_tokens", "meta")
+               "shard_tokens", "meta", "image_token_id")
 
 
 class StoreError(StageError, RuntimeError):

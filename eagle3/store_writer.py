@@ -76,6 +76,7 @@ class _ShardBuffer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.capacity = self.used = 0
         self.seqs: list[tuple[str, int, int, int]] = []  # (id, order, length, loss tokens)
+        self.images: list[torch.Tensor] = []  # per sequence: its image rows' fused embeddings [n_i, H] (CPU)
         self.events: list = []  # CUDA events of the copies in flight
         self._grow(capacity)
 
@@ -113,7 +114,7 @@ class _ShardBuffer:
 
     def reset(self) -> None:
         self.sync()
-        self.used, self.seqs = 0, []
+        self.used, self.seqs, self.images = 0, [], []
 
 
 _HELD_LOCKS: dict[str, list] = {}  # store dir -> [lock file, owning writer's id] (this process)
@@ -159,10 +160,12 @@ class HiddenStateWriter:
     def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
                  hf_indices: list[int], dtype: str = "bfloat16", aux_dtype: str | None = None,
                  shard_tokens: int = 8192, meta: dict | None = None, aux_provenance: dict | None = None,
-                 background: bool = False):
+                 background: bool = False, image_token_id: int | None = None):
         """hf_indices: the Hugging Face hidden-state indices h of the aux states, in fc's order (the physical
         truth; eagle3/aux_layers.py). aux_provenance: how they were chosen (engine rule, source, the ids a
-        drafter config listed), recorded in the manifest but not compared on resume."""
+        drafter config listed), recorded in the manifest but not compared on resume. image_token_id: the
+        target's image row id (eagle3/media_tokens.py) when the store keeps the fused input embeddings of
+        image rows (`add(..., image_embeds=)`); None for a text store."""
         if dtype not in DTYPES:
             raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         aux_dtype = aux_dtype or dtype
@@ -181,6 +184,9 @@ class HiddenStateWriter:
         header = {"hidden_size": hidden_size, "target_hidden_size": target_hidden_size,
                   "hf_indices": [int(h) for h in hf_indices], "dtype": dtype,
                   "aux_dtype": aux_dtype, "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
+        if image_token_id is not None:  # (absent for text stores: those written before images stay valid)
+            header["image_token_id"] = int(image_token_id)
+        self.image_token_id = image_token_id
         self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
                          "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
         if (self.dir / MANIFEST).is_file():
@@ -223,7 +229,7 @@ class HiddenStateWriter:
 
     def add(self, seq_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
             last: torch.Tensor, target_argmax: torch.Tensor, *, order: int | None = None,
-            check_finite: bool = True) -> None:
+            check_finite: bool = True, image_embeds: torch.Tensor | None = None) -> None:
         """Buffer one sequence (T tokens). `order` is its global position (multi-process capture);
         by default sequences are ordered as added. Raises NonFiniteHiddenStateError (nothing is
         buffered) when aux/last hold NaN/inf after the cast to the store dtype; a caller that checked
@@ -240,6 +246,7 @@ class HiddenStateWriter:
                 raise StoreError(f"sequence {seq_id!r}: {name} has shape {tuple(got[name].shape)}, expected {shape}")
         if T == 0:
             raise StoreError(f"sequence {seq_id!r}: empty sequence")
+        image_rows = self._image_rows(seq_id, input_ids, image_embeds)
         aux, last = aux.detach().to(self.torch_dtype), last.detach().to(self.torch_dtype)
         for name, t in (("aux", aux), ("last", last)) if check_finite else ():
             if not bool(torch.isfinite(t).all()):
@@ -258,9 +265,27 @@ class HiddenStateWriter:
             values["aux"], values["aux_scale"] = codes.reshape(T, self.aux_width), scale
         self._buf.put(values, self._streams)
         self._buf.seqs.append((seq_id, order, T, int(mask.sum())))
+        if image_rows is not None:
+            self._buf.images.append(image_rows)
         self._pending[seq_id] = None
         self._next_order = max(self._next_order, order) + 1
         self._pending_tokens += T
+
+    def _image_rows(self, seq_id: str, input_ids: torch.Tensor, image_embeds: torch.Tensor | None):
+        """The sequence's image rows [n, H] in the store dtype on the CPU (n = its image_token_id positions,
+        in order), or None for a text store (which refuses image_embeds)."""
+        if self.image_token_id is None:
+            if image_embeds is not None:
+                raise StoreError(f"sequence {seq_id!r}: image_embeds given to a store opened without image_token_id")
+            return None
+        n = int((input_ids == self.image_token_id).sum())
+        if image_embeds is None and n == 0:
+            return torch.empty(0, self.hidden_size, dtype=self.torch_dtype)
+        if image_embeds is None or tuple(image_embeds.shape) != (n, self.hidden_size):
+            got = None if image_embeds is None else tuple(image_embeds.shape)
+            raise StoreError(f"sequence {seq_id!r}: {n} image rows (id {self.image_token_id}) need image_embeds of "
+                             f"shape {(n, self.hidden_size)}, got {got}")
+        return image_embeds.detach().to("cpu", self.torch_dtype)
 
     def _take_buffer(self, cuda: bool) -> _ShardBuffer:
         """A free shard buffer: a new one while there are fewer than two, else the one not in flight
@@ -313,6 +338,11 @@ class HiddenStateWriter:
             offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
             tensors = {k: t[: buf.used] for k, t in buf.tensors.items()}
             tensors["offsets"] = offsets
+            if self.image_token_id is not None:  # image rows of sequence s: image_offsets[s]:image_offsets[s+1]
+                tensors["image_embeds"] = torch.cat(buf.images) if buf.images else \
+                    torch.empty(0, self.hidden_size, dtype=self.torch_dtype)
+                counts = torch.tensor([len(x) for x in buf.images], dtype=torch.int64)
+                tensors["image_offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
             name = f"shard-{len(shards):05d}.safetensors"
             nbytes, sha = _write_shard(self.dir / name, tensors, {"ids": json.dumps(ids)})
             shards.append({"file": name, "bytes": nbytes, "sha256": sha, "num_tokens": buf.used,
