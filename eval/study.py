@@ -195,7 +195,7 @@ def ngram_baseline(cfg, ev: Evaluator, path: Path) -> None:
     from eagle3.replay.evaluate import simulate_accept_length
 
     key = _record_key(cfg, None, {"capture": sha256_file(Path(ev.cfg.capture_dir) / "manifest.json")})
-    if _cached(path, key) is not None:
+    if cached_record(path, key) is not None:
         return
     sims = simulate_accept_length(None, ev.store, knobs=knob_grid(cfg.knob_grid),
                                   max_sequences=cfg.knob_grid.max_sequences, progress=False)
@@ -210,7 +210,7 @@ def _record_key(cfg, train_dir: Optional[Path], extra: dict) -> dict:
             **extra}
 
 
-def _cached(path: Path, key: dict) -> Optional[dict]:
+def cached_record(path: Path, key: dict) -> Optional[dict]:
     try:
         rec = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -259,7 +259,7 @@ def measure_world(cfg, exp, log, t0: float, world: int) -> None:
     def finished(name: str, drafter_dir: Path, train_dir: Optional[Path], points_fn, meta: dict) -> None:
         path = runs_dir / f"{name}.json"
         key = _record_key(cfg, train_dir, {"drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
-        if _cached(path, key) is not None:
+        if cached_record(path, key) is not None:
             print(f"[study] {name}: measurements reused from {path}", flush=True)
             return
         t = time.time()

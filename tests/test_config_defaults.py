@@ -20,7 +20,8 @@ REQUIRED = {"train": ["+init=scratch"]}
 # Keys a default-chosen preset group sets on purpose (the demo's size, demo_size: cpu).
 PRESET_KEYS = {"demo": {"overrides"},
                # the study: the demo size's overrides, and its own sizes (conf/study_size/<demo_size>.yaml)
-               "study": {"overrides", "curve", "forgetting_max_sequences", "real_check", "knob_grid"}}
+               "study": {"overrides", "curve", "forgetting_max_sequences", "real_check", "knob_grid"},
+               "learning_ab": {"overrides"}}  # the demo size's overrides
 
 
 def defaults_of(schema) -> dict:

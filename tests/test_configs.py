@@ -9,7 +9,7 @@ from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 # Stages with no target or init (the mini world, and the demo and study that pick them themselves).
-TARGETLESS = {"mini_world", "demo", "study"}
+TARGETLESS = {"mini_world", "demo", "study", "learning_ab"}
 TARGETED = [s for s in STAGES if s not in TARGETLESS]
 TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
 INITS = sorted(p.stem for p in (CONF_DIR / "init").glob("*.yaml"))

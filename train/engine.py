@@ -74,6 +74,14 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def optimizer_name(optimizer) -> str:
+    """The class of the optimizer doing the step (under accelerate's wrapper), and whether it is fused:
+    what a learning-quality A/B compares (eval/learning_ab.py reads it from the train manifest)."""
+    inner = _inner(optimizer)
+    fused = any(g.get("fused") for g in getattr(inner, "param_groups", []))
+    return type(inner).__name__ + (" (fused)" if fused else "")
+
+
 def clip_folds_into_step(optimizer, fsdp: bool) -> bool:
     """Whether clipping can ride on the optimizer step: a fused Adam/AdamW or train/optim.TritonAdamW
     (their kernels divide every gradient by `grad_scale` as they read it) over whole, un-sharded

@@ -35,7 +35,7 @@ from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
 from train.data import BatchStream, make_loader
 from train.engine import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
-                          make_optimizer, make_scheduler, mixed_precision, optimizer_step, uses_fsdp)
+                          make_optimizer, make_scheduler, mixed_precision, optimizer_name, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError
 from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
@@ -273,7 +273,11 @@ class Trainer:
         summary = {"steps": c.step, "total_steps": self.total, "tokens_seen": c.tokens_seen,
                    "nonfinite_skips": c.nonfinite_skips, "wall_s": round(seconds, 2), "val_start": c.val_start,
                    "val_end": c.val_last, "padding_efficiency": stream_padding_efficiency(train.lengths, self.stream),
-                   "truncated_sequences": sum(1 for n in train.lengths if n > cfg.data.max_length)}
+                   "truncated_sequences": sum(1 for n in train.lengths if n > cfg.data.max_length),
+                   "numerics": {"unroll": cfg.unroll if cfg.unroll != "auto" else
+                                ("fast" if self.device.type == "cuda" else "reference"),
+                                "compile": use_compile(cfg, self.device), "optimizer": optimizer_name(self.optimizer),
+                                "mixed_precision": mixed_precision(cfg), "device": str(self.device)}}
         self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
         write_manifest(out, "train", cfg, inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},
                        init_fingerprint=init_fingerprint(cfg), init_report=self.report, final=str(out / FINAL),

@@ -1,0 +1,27 @@
+"""`make learning-ab`: the learning-quality A/B of two training code paths (eval/learning_ab.py)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.cpu_threads import prefer_passive_wait  # noqa: E402
+
+prefer_passive_wait()  # before torch loads OpenMP (eagle3/cpu_threads.py says why)
+
+import hydra  # noqa: E402
+
+from eagle3.conf import to_schema  # noqa: E402
+from eagle3.errors import run_main, stage_errors  # noqa: E402
+from eagle3.schema.learning_ab import LearningABConfig  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="learning_ab", version_base=None)
+def main(cfg) -> None:
+    with stage_errors("learning_ab"):
+        from eval.learning_ab import run_learning_ab
+
+        run_learning_ab(to_schema(cfg, LearningABConfig))
+
+
+if __name__ == "__main__":
+    run_main("learning_ab", main)
