@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 INIT ?= aqmedai_k2
 
-.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo study learning-ab bench-vocab clean check
+.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo study learning-ab bench-vocab clean check bench-serve
 
 setup: .venv/.installed
 .venv/.installed: pyproject.toml ; python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]' && touch $@
@@ -19,5 +19,6 @@ export: setup ; $(PY) eval/run_export.py $(ARGS)
 check: setup ; $(PY) train/run_check.py $(ARGS)
 demo: setup ; $(PY) eval/run_demo.py $(ARGS)
 study: setup ; $(PY) eval/run_study.py $(ARGS)
+bench-serve: setup ; $(PY) eval/run_bench_serve.py $(ARGS)
 learning-ab: setup ; $(PY) eval/run_learning_ab.py $(ARGS)
 clean: ; rm -rf runs

@@ -39,5 +39,6 @@ STORE_VERIFY = ("size", "sha256", "none")        # hidden-state store check when
 NGRAM_PREFER = ("recent", "first")               # prompt lookup: newest match | first match (HF's)
 
 # export
+SERVE_ENGINES = ("sglang", "vllm")            # bench-serve: the engine behind a live server
 EXPORT_FORMATS = ("sglang", "speculators")       # the directory layouts export writes
 EXPORT_FORMAT_CHOICES = (*EXPORT_FORMATS, "both")

@@ -17,7 +17,8 @@ import torch
 
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, as_plain_dict
-from eagle3.cost_model import PRESETS, Latencies, predict
+from eagle3.cost_model import Latencies, predict
+from eagle3.cost_presets import resolve_preset
 from eagle3.manifest import MANIFEST, atomic_write_json, fingerprint, write_manifest
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
 from eagle3.schema.eval import EvalConfig
@@ -41,7 +42,7 @@ def drafter_checksum(drafter_dir: Path) -> str:
 
 def latencies_from_config(cfg) -> Latencies:
     """The `cost` section: a named preset with per-field overrides."""
-    base = PRESETS[cfg.preset] if cfg.preset else None
+    base = resolve_preset(cfg.preset)
     pick = (lambda name, default=0.0: getattr(cfg, name) if getattr(cfg, name) is not None
             else (getattr(base, name) if base is not None else default))
     baseline_ms = 1000.0 / cfg.baseline_tok_s if cfg.baseline_tok_s is not None else base.baseline_token_ms

@@ -54,7 +54,8 @@ class RealLoopConf:
 
 @dataclass
 class CostConf:
-    """Latencies for the verdict. `preset` names eagle3.cost_model.PRESETS; a non-null field overrides it."""
+    """Latencies for the verdict. `preset` names eagle3.cost_model.PRESETS or is `measured:<file>` (a preset
+    `make bench-serve` measured on a live server; eagle3/cost_presets.py); a non-null field overrides it."""
     preset: Optional[str] = "account_8gpu_pcie"  # 82 tok/s baseline, ~30 ms per verify cycle (8 GPUs over PCIe)
     baseline_tok_s: Optional[float] = None
     verify_ms: Optional[float] = None
@@ -63,10 +64,10 @@ class CostConf:
     draft_extend_ms: Optional[float] = None
 
     def validate(self) -> None:
-        from eagle3.cost_model import PRESETS
+        from eagle3.cost_presets import preset_problem
 
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ConfigError(f"cost.preset={self.preset!r}: expected one of {sorted(PRESETS)} or null")
+        if (problem := preset_problem(self.preset)) is not None:
+            raise ConfigError(problem)
         if self.preset is None and (self.baseline_tok_s is None or self.verify_ms is None):
             raise ConfigError("cost: without a preset give at least cost.baseline_tok_s and cost.verify_ms")
 
