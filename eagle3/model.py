@@ -325,13 +325,15 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux.to(self.fc.weight.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-             cache: Optional[TTTCache | KVCache] = None) -> torch.Tensor:
+             cache: Optional[TTTCache | KVCache] = None, embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One draft step. input_ids [B,T], hidden [B,T,H], position_ids [B,T] (at TTT step k: the
         step-0 positions + k, see ttt.ttt_position_ids) -> pre-norm output [B,T,H] (the next step's
-        hidden). cache=None: plain causal attention over these T positions only."""
+        hidden). cache=None: plain causal attention over these T positions only. embeds [B,T,H]: the
+        input embeddings to use instead of embed_tokens(input_ids) (image rows under image_embeddings=fused,
+        eagle3/image_embeddings.py)."""
         if cache is None:
             cache = KVCache()
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        embeds = (self.embed_tokens(input_ids) if embeds is None else embeds).to(hidden.dtype)
         return self.midlayer(embeds, hidden, position_ids, cache)
 
     forward = step  # so wrappers that hook `forward` (DDP, accelerate) see the draft step

@@ -53,7 +53,10 @@ class SequenceDrafter:
     """
 
     @torch.no_grad()
-    def __init__(self, model, aux: torch.Tensor, input_ids: torch.Tensor, topk: int):
+    def __init__(self, model, aux: torch.Tensor, input_ids: torch.Tensor, topk: int,
+                 embeds: Optional[torch.Tensor] = None):
+        """embeds [T, H]: the prefix's input embeddings when they are not embed_tokens(input_ids) (image rows
+        under image_embeddings=fused: eagle3/image_embeddings.py); drafted tokens are always embedded."""
         dev = model.fc.weight.device
         T = input_ids.numel()
         if T < 2:
@@ -63,7 +66,8 @@ class SequenceDrafter:
         hidden = model.project_aux(aux[None, : T - 1].to(dev))                  # [1, T-1, H]
         cache = KVCache()
         pos = torch.arange(T - 1, device=dev)[None]
-        self.prenorm = model.step(ids[None, 1:], hidden, pos, cache)[0]         # [T-1, H]
+        pre = None if embeds is None else embeds[None, 1:].to(dev)               # shifted by one, as the ids
+        self.prenorm = model.step(ids[None, 1:], hidden, pos, cache, embeds=pre)[0]  # [T-1, H]
         self.k, self.v = cache.k, cache.v                                       # [1, h_kv, T-1, d]
         probs = torch.softmax(model.logits(self.prenorm).float(), dim=-1)       # [T-1, draft_V]
         p, i = probs.topk(topk, dim=-1)

@@ -22,6 +22,7 @@ from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leadin
                                replay_sequence)
 from eagle3.cost_model import accept_length_from_acceptance
 from eagle3.errors import StageError
+from eagle3.image_embeddings import token_embeddings
 from eagle3.loss import loss_positions, shift_left
 from eagle3.ngram import PromptLookup
 from eagle3.replay.drafter_session import SequenceDrafter
@@ -77,11 +78,22 @@ def _progress(it: Iterable, desc: str, total: int, enabled: bool):
 
 
 @torch.no_grad()
+def sequence_embeds(model, store, s: dict, image_embeddings: str = "placeholder") -> Optional[torch.Tensor]:
+    """The input embeddings [T, H] the drafter reads for store item `s` under the image_embeddings convention
+    (eagle3/image_embeddings.py), or None when they are embed_tokens(input_ids)."""
+    dev = model.fc.weight.device
+    with torch.no_grad():
+        return token_embeddings(model.embed_tokens, s["input_ids"].long().to(dev), image_embeddings,
+                                getattr(store, "image_token_id", None), s.get("image_embeds"))
+
+
 def teacher_forced_hits(model, aux: torch.Tensor, input_ids: torch.Tensor, target_argmax: torch.Tensor,
-                        loss_mask: torch.Tensor, ttt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        loss_mask: torch.Tensor, ttt_length: int,
+                        embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The TTT unroll of one sequence, forward only. Returns (hits, valid), Bool [K, T]: at step k,
     drafter position t predicts x_{t+k+2}; hits[k, t] = (its argmax, via d2t) == target_argmax[t+k+1];
-    valid[k, t] = training's loss positions (loss_mask[t+k+2] & t2d[argmax_{t+k+1}])."""
+    valid[k, t] = training's loss positions (loss_mask[t+k+2] & t2d[argmax_{t+k+1}]). embeds [T, H]: the
+    input embeddings when not embed_tokens(input_ids) (image rows under fused), shifted like the ids."""
     dev = model.fc.weight.device
     T = input_ids.numel()
     ids = input_ids.long().to(dev)[None]
@@ -93,7 +105,8 @@ def teacher_forced_hits(model, aux: torch.Tensor, input_ids: torch.Tensor, targe
     hits = torch.zeros(ttt_length, T, dtype=torch.bool, device=dev)
     valid = torch.zeros_like(hits)
     for k in range(ttt_length):
-        prenorm = model.step(shift_left(ids, k + 1, 0), hidden, ttt_position_ids(pos, k), cache)  # [1, T, H]
+        emb = None if embeds is None else shift_left(embeds[None].to(dev), k + 1, 0)
+        prenorm = model.step(shift_left(ids, k + 1, 0), hidden, ttt_position_ids(pos, k), cache, embeds=emb)
         n = T - (k + 1)
         if n > 0:
             as_target = model.draft_ids_to_target(model.logits(prenorm[:, :n]).argmax(-1))  # [1, n]
@@ -103,9 +116,9 @@ def teacher_forced_hits(model, aux: torch.Tensor, input_ids: torch.Tensor, targe
     return hits.cpu(), valid.cpu()
 
 
-def teacher_forced_correct(model, aux, input_ids, target_argmax, loss_mask, ttt_length):
+def teacher_forced_correct(model, aux, input_ids, target_argmax, loss_mask, ttt_length, embeds=None):
     """(correct = hits & valid, valid), Bool [K, T]: what training's accuracy counts."""
-    hits, valid = teacher_forced_hits(model, aux, input_ids, target_argmax, loss_mask, ttt_length)
+    hits, valid = teacher_forced_hits(model, aux, input_ids, target_argmax, loss_mask, ttt_length, embeds)
     return hits & valid, valid
 
 
@@ -133,7 +146,7 @@ class AccuracyCounter:
 
 
 def teacher_forced_accuracy(model, store, ttt_length: int = 7, max_sequences: Optional[int] = None,
-                            progress: bool = True) -> dict:
+                            progress: bool = True, image_embeddings: str = "placeholder") -> dict:
     """Accuracy per TTT step and conditional accuracy over the store's sequences."""
     acc = AccuracyCounter(ttt_length)
     idx = _sequences(store, max_sequences)
@@ -141,12 +154,12 @@ def teacher_forced_accuracy(model, store, ttt_length: int = 7, max_sequences: Op
         s = store[i]
         if s["input_ids"].numel() >= 2:
             acc.add(*teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"],
-                                         ttt_length))
+                                         ttt_length, sequence_embeds(model, store, s, image_embeddings)))
     return acc.to_dict()
 
 
 def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Optional[NgramSettings],
-                hits: Optional[torch.Tensor], method: str) -> None:
+                hits: Optional[torch.Tensor], method: str, embeds: Optional[torch.Tensor] = None) -> None:
     ids, mask, argmax = s["input_ids"].long(), s["loss_mask"].bool(), s["target_argmax"].long()
     seq = None
     for k in knobs:
@@ -154,15 +167,15 @@ def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Op
         if model is not None:
             if k.topk == 1 and method == "auto":
                 h = hits if hits is not None and hits.shape[0] >= k.max_depth else \
-                    teacher_forced_hits(model, s["aux"], ids, argmax, mask, k.max_depth)[0]
+                    teacher_forced_hits(model, s["aux"], ids, argmax, mask, k.max_depth, embeds)[0]
                 runs = leading_hits(h[: k.max_depth])
                 res["drafter"] += replay_chain_runs(ids, mask, argmax, runs, k.max_depth)
             elif method == "auto":  # trees: every position's tree drafted in one batched pass
-                trees = all_cycle_trees(model, s["aux"], ids, k)
+                trees = all_cycle_trees(model, s["aux"], ids, k, embeds=embeds)
                 res["drafter"] += replay_sequence(ids, mask, argmax, trees.__getitem__, k.max_depth)
             else:
                 if seq is None:
-                    seq = SequenceDrafter(model, s["aux"], ids, max(kk.topk for kk in knobs))
+                    seq = SequenceDrafter(model, s["aux"], ids, max(kk.topk for kk in knobs), embeds)
                 res["drafter"] += replay_sequence(ids, mask, argmax, lambda q: build_sglang_tree(seq.at(q), k),
                                                   k.max_depth)
         if ngram is not None:
@@ -181,7 +194,8 @@ def _stats(k: SpecKnobs, ngram: Optional[NgramSettings]) -> dict[str, AcceptStat
 
 def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS,
                            max_sequences: Optional[int] = None, ngram: Optional[NgramSettings] = NgramSettings(),
-                           progress: bool = True, method: str = "auto") -> dict[str, dict[str, AcceptStats]]:
+                           progress: bool = True, method: str = "auto",
+                           image_embeddings: str = "placeholder") -> dict[str, dict[str, AcceptStats]]:
     """Replay every knob setting over the store with the drafter (`model`; None: n-gram only) and with
     n-gram lookup (same verify budget: num_draft_tokens-1 proposed tokens; ngram=None: the drafter only).
     -> {label: {name: stats}}.
@@ -193,7 +207,7 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
     chain's keys, which is the TTT attention pattern (eagle3/ttt.py). method="sequential" drafts
     every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare
-    against)."""
+    against). image_embeddings: what the drafter embeds at image rows (eagle3/image_embeddings.py)."""
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: _stats(k, ngram) for k in knobs}
@@ -202,15 +216,16 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     for i in _progress(idx, "accept-length replay", len(idx), progress):
         s = store[i]
         if s["input_ids"].numel() >= 2:
-            hits = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)[0] \
-                if K else None  # one unroll serves every chain knob
-            _replay_one(model, s, knobs, out, ngram, hits, method)
+            emb = sequence_embeds(model, store, s, image_embeddings) if model is not None else None
+            hits = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K,
+                                       emb)[0] if K else None  # one unroll serves every chain knob
+            _replay_one(model, s, knobs, out, ngram, hits, method, emb)
     return out
 
 
 def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS, ttt_length: int = 7,
                      max_sequences: Optional[int] = None, ngram: Optional[NgramSettings] = NgramSettings(),
-                     accuracy: bool = True, progress: bool = True) -> dict:
+                     accuracy: bool = True, progress: bool = True, image_embeddings: str = "placeholder") -> dict:
     """The drafter's offline evaluation on `store` (a HiddenStateStore, validation split).
     Raises EvalInputError for an empty store or a drafter that does not fit the store. ngram=None leaves
     the n-gram baseline out (it does not depend on the drafter: a caller scoring many drafters on one
@@ -225,7 +240,7 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
     model.eval()
     try:
         idx = _sequences(store, max_sequences)
-        report: dict = {"sequences": len(idx), "warnings": []}
+        report: dict = {"sequences": len(idx), "warnings": [], "image_embeddings": image_embeddings}
         # one teacher-forced unroll per sequence serves the accuracy and every chain knob
         K = max([ttt_length if accuracy else 0] + [k.max_depth for k in knobs if k.topk == 1])
         acc = AccuracyCounter(ttt_length)
@@ -236,11 +251,13 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
             if s["input_ids"].numel() < 2:
                 continue
             hits = None
+            emb = sequence_embeds(model, store, s, image_embeddings)
             if K > 0:
-                hits, valid = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], K)
+                hits, valid = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"],
+                                                  K, emb)
                 if accuracy:
                     acc.add(hits, valid)
-            _replay_one(model, s, knobs, sims, ngram, hits, "auto")
+            _replay_one(model, s, knobs, sims, ngram, hits, "auto", emb)
             predicted = s["target_argmax"][:-1][s["loss_mask"][1:].bool()].long()   # greedy tokens of assistant positions
             cover_hit += int(model.t2d.cpu()[predicted].sum())
             cover_n += predicted.numel()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from typing import Optional
+
 import torch
 
 from eagle3.accept_sim import DraftTree, SpecKnobs
@@ -75,14 +77,16 @@ def _organize(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
 
 @torch.no_grad()
 def all_cycle_trees(model, aux: torch.Tensor, input_ids: torch.Tensor, knobs: SpecKnobs,
-                    chunk_rows: int = 2048) -> list[DraftTree]:
-    """trees[q] for q = 1..T-1 (trees[0] is an empty placeholder). aux [T, 3*Ht], input_ids [T]."""
+                    chunk_rows: int = 2048, embeds: Optional[torch.Tensor] = None) -> list[DraftTree]:
+    """trees[q] for q = 1..T-1 (trees[0] is an empty placeholder). aux [T, 3*Ht], input_ids [T]; embeds [T, H]
+    the prefix's input embeddings when not embed_tokens(input_ids) (eagle3/image_embeddings.py)."""
     dev = model.fc.weight.device
     T, k = input_ids.numel(), knobs.topk
     ids = input_ids.long().to(dev)
     cache = KVCache()
+    pre = None if embeds is None else embeds[None, 1:].to(dev)
     prenorm = model.step(ids[None, 1:], model.project_aux(aux[None, : T - 1].to(dev)),
-                         torch.arange(T - 1, device=dev)[None], cache)[0]          # [T-1, H]
+                         torch.arange(T - 1, device=dev)[None], cache, embeds=pre)[0]  # [T-1, H]
     trees = [DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))]
     per_chunk = max(1, chunk_rows // k)
     for lo in range(1, T, per_chunk):

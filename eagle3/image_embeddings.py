@@ -1,0 +1,52 @@
+"""What the drafter embeds at image rows: the one home of the `image_embeddings` convention.
+
+  * `fused` (SGLang): the target's fused input embedding, the projector output at image rows (what an image
+    capture stores, eagle3/store.py `image_embeds`), shifted by one like the token embeddings;
+  * `placeholder` (vLLM's Eagle3LlamaForCausalLM): the drafter's own table at the placeholder id
+    (`<|media_pad|>`, 163605 for Kimi-K2.5).
+Text rows are embed_tokens(id) under both. A sequence without images is the same under both.
+
+Imports only torch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+CONVENTIONS = ("fused", "placeholder")
+ENGINE_DEFAULT = {"sglang": "fused", "vllm": "placeholder"}
+
+
+def check_convention(convention: str) -> str:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"image_embeddings={convention!r}: expected one of {CONVENTIONS}")
+    return convention
+
+
+def default_for_engine(engine: str) -> str:
+    """The convention an engine serves with (SGLang fused, vLLM placeholder)."""
+    if engine not in ENGINE_DEFAULT:
+        raise ValueError(f"engine {engine!r}: no image embedding convention known (one of {sorted(ENGINE_DEFAULT)})")
+    return ENGINE_DEFAULT[engine]
+
+
+def token_embeddings(embed_tokens: torch.nn.Module, input_ids: torch.Tensor, convention: str,
+                     image_token_id: Optional[int] = None, image_embeds: Optional[torch.Tensor] = None
+                     ) -> Optional[torch.Tensor]:
+    """The drafter's input embeddings [..., T, H] of `input_ids` [..., T] under `convention`, or None when they
+    are plain embed_tokens(input_ids) (placeholder, or no image rows): callers then embed the ids themselves.
+    fused: image rows (input_ids == image_token_id, row-major) take `image_embeds` [n, H] in order."""
+    check_convention(convention)
+    if convention == "placeholder" or image_token_id is None:
+        return None
+    is_image = input_ids == image_token_id
+    n = int(is_image.sum())
+    if n == 0:
+        return None
+    if image_embeds is None or image_embeds.shape[0] != n:
+        got = None if image_embeds is None else tuple(image_embeds.shape)
+        raise ValueError(f"image_embeddings=fused: {n} image rows need {n} fused embeddings, got {got} "
+                         "(a store captured without images? use placeholder or recapture)")
+    emb = embed_tokens(input_ids)
+    return emb.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(emb.device, emb.dtype))
