@@ -81,7 +81,7 @@ def fit_cycle_costs(points: Sequence[CyclePoint]) -> CostFit:
     if len(designs) < 3:
         raise CostFitError(f"{len(designs)} distinct (num_draft_tokens, num_steps) settings {sorted(designs)}: "
                            f"three are needed to separate verify, per-verified-token and draft-step cost "
-                           f"(the baseline counts as (1, 0) with fit.anchor_baseline)")
+                           f"(the baseline counts as (1, 0) with anchor_baseline=true)")
     rows = [[1.0, float(p.num_draft_tokens), float(p.num_steps)] for p in points]
     y = [float(p.ms) for p in points]
     free = [0, 1, 2]

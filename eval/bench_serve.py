@@ -48,20 +48,6 @@ def load_prompts(cfg: BenchServeConfig) -> list[list[int]]:
     return prompts
 
 
-def probe_all(cfg: BenchServeConfig, servers: list) -> dict:
-    probes, down = {}, []
-    for s in servers:
-        try:
-            probes[s.name] = probe(cfg, s)
-        except Unreachable as e:
-            down.append(s)
-            print(f"bench-serve: {s.name} unreachable at {s.url} ({e}); start it with: {launch_line(cfg, s)}")
-    if down:
-        raise BenchServeError(f"{len(down)} of {len(servers)} servers unreachable ({', '.join(s.name for s in down)}): "
-                              f"start them with the launch lines above; bench-serve never starts a server")
-    return probes
-
-
 def _progress(cfg, total: int, desc: str):
     if not cfg.progress:
         return None
@@ -70,21 +56,45 @@ def _progress(cfg, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", leave=False)
 
 
-def run_measurements(cfg: BenchServeConfig, servers: list, prompts: list[list[int]], probes: dict) -> dict:
-    out = {}
-    for s in servers:
+def run_measurements(cfg: BenchServeConfig, everyone: list, prompts: list[list[int]]) -> tuple[dict, dict, list]:
+    """Probe and measure each server that still has requests to do (and is listed in `only`, when given).
+    A server whose log is complete needs not be running: one GPU machine serves one setting at a time.
+    Returns (measured, probes, servers not measured yet)."""
+    logs, todo, skipped = {}, [], []
+    for s in everyone:
         key = {"url": s.url, "engine": s.engine, "label": s.label, "prompts": prompts_key(prompts),
                "max_new_tokens": cfg.request.max_new_tokens, "temperature": cfg.request.temperature}
-        rlog = RequestLog(Path(cfg.out_dir) / "requests" / f"{s.name}.jsonl", key, cfg.force)
+        selected = not cfg.only or s.name in cfg.only
+        logs[s.name] = RequestLog(Path(cfg.out_dir) / "requests" / f"{s.name}.jsonl", key, cfg.force and selected,
+                                  readonly=not selected)
+        if len(logs[s.name].done) < len(prompts):
+            (todo if selected else skipped).append(s)
+    probes, down = {}, []
+    for s in todo:
+        try:
+            probes[s.name] = probe(cfg, s)
+            logs[s.name].save_probe(probes[s.name])
+        except Unreachable as e:
+            down.append(s)
+            print(f"bench-serve: {s.name} unreachable at {s.url} ({e}); start it with: {launch_line(cfg, s)}")
+    if down:
+        raise BenchServeError(f"{len(down)} of {len(todo)} servers to measure unreachable "
+                              f"({', '.join(s.name for s in down)}): start them with the launch lines above (or "
+                              f"measure one at a time: only=[<name>]); bench-serve never starts a server")
+    for s in todo:
         bar = _progress(cfg, len(prompts), s.name)
         if bar is not None:
-            bar.update(len(rlog.done))
-        measure(cfg, s, prompts, rlog, probes[s.name], bar)
+            bar.update(len(logs[s.name].done))
+        measure(cfg, s, prompts, logs[s.name], probes[s.name], bar)
         if bar is not None:
             bar.close()
-        out[s.name] = {"records": [dict(rlog.done[i], prompt_len=len(prompts[i])) for i in sorted(rlog.done)],
-                       "attempts": rlog.all_records()}
-    return out
+    measured = {}
+    for s in everyone:
+        rlog = logs[s.name]
+        probes.setdefault(s.name, rlog.saved_probe())
+        measured[s.name] = {"records": [dict(rlog.done[i], prompt_len=len(prompts[i])) for i in sorted(rlog.done)],
+                            "attempts": rlog.all_records()}
+    return measured, probes, skipped
 
 
 def _load_replay(cfg: BenchServeConfig):
@@ -208,9 +218,8 @@ def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:
     prompts = load_prompts(cfg)
     servers = list(cfg.servers)
     everyone = [cfg.baseline, *servers]
-    probes = probe_all(cfg, everyone)
     t0 = time.time()
-    measured = run_measurements(cfg, everyone, prompts, probes)
+    measured, probes, skipped = run_measurements(cfg, everyone, prompts)
     report = {"name": cfg.name, "prompts": len(prompts), "baseline_name": cfg.baseline.name,
               "launch": {s.name: launch_line(cfg, s) for s in everyone},
               "probes": probes, "warnings": [w for p in probes.values() for w in p.get("warnings", [])],
@@ -219,6 +228,9 @@ def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:
                           for s in everyone}}
     partial = [n for n, s in report["servers"].items() if s["partial"]]
     report["status"] = "complete" if not partial else f"PARTIAL ({', '.join(partial)} missing requests)"
+    if skipped:
+        report["warnings"].append(f"not measured in this run (only={list(cfg.only)}): "
+                                  f"{', '.join(s.name for s in skipped)}; run again with them up")
     fit_costs(cfg, servers, measured, report)
     if cfg.compare.enabled:
         compare_and_search(cfg, servers, measured, prompts, probes, report)

@@ -109,9 +109,10 @@ class RequestLog:
     """<out_dir>/requests/<server>.jsonl: a header naming what was measured, then one record per request.
     A run with another header (other prompts, knobs, sampling) or force=true starts the file again."""
 
-    def __init__(self, path: Path, key: dict, force: bool):
+    def __init__(self, path: Path, key: dict, force: bool, readonly: bool = False):
         self.path, self.key, self.done, self.failed = path, key, {}, []
         lines = path.read_text().splitlines() if path.is_file() and not force else []
+        self.probe_path = path.with_suffix(".probe.json")
         try:
             header = json.loads(lines[0]) if lines else None
         except json.JSONDecodeError:
@@ -126,9 +127,20 @@ class RequestLog:
                     self.done[rec["i"]] = rec
                 else:
                     self.failed.append(rec)
-        else:
+        elif not readonly:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"key": key}) + "\n")
+            self.probe_path.unlink(missing_ok=True)
+
+    def save_probe(self, info: dict) -> None:
+        """What the server said of itself when it was measured (a later run may find it stopped)."""
+        self.probe_path.write_text(json.dumps(info))
+
+    def saved_probe(self) -> dict:
+        try:
+            return json.loads(self.probe_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {"warnings": []}
 
     def add(self, rec: dict) -> None:
         with open(self.path, "a") as f:

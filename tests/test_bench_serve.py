@@ -48,14 +48,15 @@ def world(tiny_k25_target, tmp_path_factory):
             "target_path": tiny_k25_target}
 
 
-def config(world, baseline: ServerConf, servers: list, *extra) -> BenchServeConfig:
+def config(world, baseline: ServerConf, servers: list, *extra, only=()) -> BenchServeConfig:
     cfg = compose("bench_serve", [f"paths.root={world['root']}", f"target.path={world['target_path']}",
                                   f"drafter_dir={world['drafter_dir']}", f"capture_dir={world['root']}/capture",
                                   "name=tiny", "wandb.mode=disabled", "progress=false", "request.num_prompts=3",
                                   f"request.max_new_tokens={MAX_NEW}", "knob_grid.num_steps=[1,2,3]",
                                   "knob_grid.topk=[1]", "request.backoff_s=0", *extra])
     typed = to_schema(cfg, BenchServeConfig)
-    typed.baseline, typed.servers = baseline, servers
+    typed.baseline, typed.servers, typed.only = baseline, servers, list(only)
+    typed.validate()
     return typed
 
 
@@ -124,7 +125,7 @@ def test_unreachable_server_gets_its_launch_line(world, capsys):
     base = StandinServer("sglang", ModelSide(world["target"], costs=COSTS))
     dead = ServerConf(name="s213", url="http://127.0.0.1:9", speculative=True, num_steps=2, topk=1, num_draft_tokens=3)
     with base:
-        with pytest.raises(BenchServeError, match="1 of 2 servers unreachable"):
+        with pytest.raises(BenchServeError, match="1 of 2 servers to measure unreachable"):
             run_bench_serve(config(world, server_conf("baseline", base), [dead]))
     lines = [line for line in capsys.readouterr().out.splitlines() if "unreachable" in line]
     assert len(lines) == 1 and "sglang.launch_server" in lines[0] and "--speculative-num-steps 2" in lines[0] \
@@ -166,3 +167,22 @@ def test_vllm_counters_failures_and_partial_runs(world, tmp_path):
         with pytest.raises(BenchServeError, match="expected no speculation, but /metrics has spec-decode counters"):
             run_bench_serve(config(world, server_conf("baseline", v2, engine="vllm"),
                                    [server_conf("v2", v2, True, (2, 1, 3), engine="vllm")]))
+
+
+def test_one_server_at_a_time(world, tmp_path):
+    """One GPU machine serves one setting at a time: measure with only=[...], then the other; a server whose
+    requests are all done need not be up."""
+    quick = InjectedCosts(1.0, 0.5, 0.5, 0.5)
+    base = StandinServer("sglang", ModelSide(world["target"], costs=quick)).start()
+    v = spec(world, 2, 1, 3, "0.5.23", costs=quick)
+    servers = [server_conf("baseline", base), server_conf("s213", v, True)]
+    cfg = config(world, servers[0], servers[1:], f"out_dir={tmp_path}/out", only=["baseline"])
+    report = json.loads((run_bench_serve(cfg) / "report.json").read_text())
+    base.stop()
+    assert report["status"].startswith("PARTIAL (s213") and any("not measured in this run" in w
+                                                                  for w in report["warnings"])
+    with v:
+        cfg = config(world, servers[0], servers[1:], f"out_dir={tmp_path}/out", only=["s213"])
+        report = json.loads((run_bench_serve(cfg) / "report.json").read_text())
+    assert report["status"] == "complete" and report["servers"]["baseline"]["requests_ok"] == 3
+    assert report["compare"]["s213"]["served_pooled"] == pytest.approx(report["compare"]["s213"]["replay_pooled"])

@@ -104,7 +104,9 @@ class BenchServeConfig:
     launch: LaunchConf = field(default_factory=LaunchConf)
     wandb: WandbConf = field(default_factory=WandbConf)
     progress: bool = True
-    force: bool = False               # drop finished requests and measure again
+    only: List[str] = field(default_factory=list)   # measure just these servers now (one GPU machine serves one
+                                                    # setting at a time); servers with complete logs need not be up
+    force: bool = False               # drop finished requests (of the servers measured now) and measure again
     seed: int = 0
     init: Optional[InitConf] = None
 
@@ -121,6 +123,9 @@ class BenchServeConfig:
             if not s.speculative:
                 raise ConfigError(f"server {s.name}: servers lists speculative servers (speculative: true)")
             s.validate()
+        unknown = [n for n in self.only if n not in names]
+        if unknown:
+            raise ConfigError(f"only={list(self.only)}: {unknown} name no server (servers: {names})")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: a non-empty directory name (bench-serve-<name>) is needed")
 
