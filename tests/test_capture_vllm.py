@@ -17,10 +17,8 @@ from data.capture import CaptureError, Dist, run_capture
 from eagle3 import aux_layers, vllm_protocol
 from eagle3.store import HiddenStateStore
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
+from tests.fixtures.vllm_capture import LIMIT, assert_no_connector_files, assert_same_store, hf_store  # noqa: F401
 from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fake_vllm_module, parse_serve_command
-
-KEYS = ("input_ids", "loss_mask", "aux", "last", "target_argmax")
-LIMIT = 6  # sequences per split (train 6, validation 5): seconds per capture
 
 
 def free_port() -> int:
@@ -41,29 +39,6 @@ def serve_command_of(cfg) -> str:
         run_capture(cfg, Dist())
     assert not any((Path(cfg.out_dir) / s).exists() for s in cfg.splits)
     return re.search(r"(vllm serve .*)$", str(e.value)).group(1)
-
-
-def assert_same_store(a_dir, b_dir):
-    for split in ("train", "validation"):
-        a, b = HiddenStateStore(a_dir / split, verify="sha256"), HiddenStateStore(b_dir / split, verify="sha256")
-        assert a.ids == b.ids and a.lengths == b.lengths and len(a) > 0 and a.hf_indices == b.hf_indices
-        for i in range(len(a)):
-            x, y = a[i], b[i]
-            for key in KEYS:
-                assert torch.equal(x[key], y[key]), (split, i, key)
-
-
-def assert_no_connector_files(cfg):
-    root = Path(cfg.vllm.storage_dir) if cfg.vllm.storage_dir else Path(cfg.out_dir) / "vllm_hidden_states"
-    assert not [p for p in root.rglob("*") if p.is_file()]
-
-
-@pytest.fixture(scope="module")
-def hf_store(tmp_path_factory, targets, prepared):  # noqa: F811
-    """The HF backend's store, each sequence in a forward of its own (as the engine runs a request)."""
-    tmp = tmp_path_factory.mktemp("hf_ref")
-    cfg = capture_config(tmp, targets, prepared, out="hf", overrides=["max_tokens_per_batch=1", f"limit={LIMIT}"])
-    return run_capture(cfg, Dist())
 
 
 def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
