@@ -115,7 +115,10 @@ def _post_stream(url: str, body: dict, timeout: float, on_event: Callable[[float
     except (socket.timeout, TimeoutError) as e:
         raise RequestFailed(f"timed out after {timeout:g} s ({e})", retryable=True, timeout=True) from None
     except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
-        raise RequestFailed(f"connection: {getattr(e, 'reason', e)}", retryable=True) from None
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            raise RequestFailed(f"timed out after {timeout:g} s ({reason})", retryable=True, timeout=True) from None
+        raise RequestFailed(f"connection: {reason}", retryable=True) from None
     return t0
 
 

@@ -148,16 +148,17 @@ def test_vllm_counters_failures_and_partial_runs(world, tmp_path):
     """vLLM: per-request counts from /metrics before/after; a request failing past its retries leaves the
     run partial with the timeouts and retries counted; a vLLM baseline with spec counters is refused."""
     quick = InjectedCosts(1.0, 0.5, 0.5, 0.5)
-    base = StandinServer("vllm", ModelSide(world["target"], costs=quick), faults=FaultPlan(script=["500", "500"]))
+    base = StandinServer("vllm", ModelSide(world["target"], costs=quick), faults=FaultPlan(script=["500", "500", "hang"], hang_s=5.0))
     v2 = spec(world, 2, 1, 3, None, engine="vllm", costs=quick)
     with base, v2:
         cfg = config(world, server_conf("baseline", base, engine="vllm"),
-                     [server_conf("v2", v2, True, (2, 1, 3), engine="vllm")], "request.retries=1",
+                     [server_conf("v2", v2, True, (2, 1, 3), engine="vllm")], "request.retries=1", "request.timeout_s=1",
                      f"out_dir={tmp_path}/out", "compare.enabled=false")
         report = json.loads((run_bench_serve(cfg) / "report.json").read_text())
         b, v = report["servers"]["baseline"], report["servers"]["v2"]
         assert report["status"].startswith("PARTIAL") and b["partial"] and b["requests_ok"] == 2
-        assert b["failed_requests"] == 1 and b["retries"] == 1 and b["attempts"] == 4
+        # prompt 0: two 500s (failed); prompt 1: a timeout, then answered; prompt 2: answered
+        assert b["failed_requests"] == 1 and b["retries"] == 2 and b["attempts"] == 5 and b["timeouts"] == 1
         acc = v["accept_length"]
         assert acc["drafts_pooled"] >= 1.0 and "vllm:spec_decode_num_drafts_total" in acc["naming"]
         assert len(v["acceptance_by_position"]) == 2
