@@ -27,7 +27,8 @@ from eagle3.cost_presets import MEASURED_PREFIX, preset_file_body
 from eagle3.manifest import MANIFEST, atomic_write_json, write_manifest
 from eagle3.schema.bench_serve import BenchServeConfig
 from eval import serve_report as rep
-from eval.serve_client import Unreachable
+from eagle3.serve_protocol import server_info_speculation
+from eval.serve_client import Unreachable, sglang_server_info
 from eval.stage import drafter_checksum
 from eval.serve_measure import BenchServeError, RequestLog, launch_line, measure, probe, prompts_key
 
@@ -88,6 +89,11 @@ def run_measurements(cfg: BenchServeConfig, everyone: list, prompts: list[list[i
         measure(cfg, s, prompts, logs[s.name], probes[s.name], bar)
         if bar is not None:
             bar.close()
+        if s.engine == "sglang" and s.speculative:  # the server's own cumulative figure, after our requests
+            info = sglang_server_info(s.url.rstrip("/"), cfg.request.timeout_s)
+            probes[s.name]["avg_spec_accept_length_after"] = (
+                None if info is None else server_info_speculation(info)["avg_spec_accept_length"])
+            logs[s.name].save_probe(probes[s.name])
     measured = {}
     for s in everyone:
         rlog = logs[s.name]
@@ -226,6 +232,10 @@ def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:
               "servers": {s.name: {"label": s.label, "engine": s.engine, "url": s.url,
                                    **rep.aggregate(measured[s.name]["records"], len(prompts), measured[s.name]["attempts"])}
                           for s in everyone}}
+    for s in servers:
+        avg = probes.get(s.name, {}).get("avg_spec_accept_length_after")
+        if avg is not None and report["servers"][s.name].get("accept_length"):
+            report["servers"][s.name]["accept_length"]["server_avg_cumulative"] = avg
     partial = [n for n, s in report["servers"].items() if s["partial"]]
     report["status"] = "complete" if not partial else f"PARTIAL ({', '.join(partial)} missing requests)"
     if skipped:

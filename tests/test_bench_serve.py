@@ -95,6 +95,7 @@ def test_bench_serve_recovers_the_cost_split_and_matches_the_replay(world, capsy
             assert c["served_pooled"] > 1.3
             acc = report["servers"][name]["accept_length"]
             assert acc["engine_pooled"] > acc["decode_pooled"]  # SGLang's own figure counts the prefill token
+            assert acc["server_avg_cumulative"] == pytest.approx(acc["engine_pooled"])  # /get_server_info
         assert "spec_accept_token_num" in report["servers"]["s213"]["accept_length"]["naming"]
         assert "spec_num_correct_drafts" in report["servers"]["s313"]["accept_length"]["naming"]
         assert report["compare"]["s313"]["served_by_position"] is not None  # 0.5.12 has the histogram
