@@ -71,6 +71,17 @@ def server_conf(name, srv, speculative=False, knobs=(2, 1, 3), engine="sglang"):
                       num_draft_tokens=n)
 
 
+def assert_served_equals_replay(c: dict) -> None:
+    """The server's generations are the target's greedy tokens, so the replay sees every cycle the server ran.
+    On a CPU where a float tie between the cached decode and the full forward goes the other way at one
+    position (as tests/test_eval_stage.py allows), the replay stops there: then close, not equal."""
+    if c["replay_mismatches"] == 0:
+        assert c["served_verify_steps"] == c["replay_cycles"]
+        assert c["served_pooled"] == pytest.approx(c["replay_pooled"], abs=1e-9) and not c["finding"]
+    else:
+        assert c["replay_mismatches"] <= 1 and abs(c["gap"]) < 0.2
+
+
 def test_bench_serve_recovers_the_cost_split_and_matches_the_replay(world, capsys):
     base = StandinServer("sglang", ModelSide(world["target"], costs=COSTS), version="0.5.23")
     s213, s313 = spec(world, 2, 1, 3, "0.5.8"), spec(world, 3, 1, 3, "0.5.12")
@@ -90,8 +101,7 @@ def test_bench_serve_recovers_the_cost_split_and_matches_the_replay(world, capsy
         # served accept length = the replay's on the same generations, with real speculation behind it
         for name in ("s213", "s313"):
             c = report["compare"][name]
-            assert c["replay_mismatches"] == 0 and c["served_verify_steps"] == c["replay_cycles"]
-            assert c["served_pooled"] == pytest.approx(c["replay_pooled"], abs=1e-9) and not c["finding"]
+            assert_served_equals_replay(c)
             assert c["served_pooled"] > 1.3
             acc = report["servers"][name]["accept_length"]
             assert acc["engine_pooled"] > acc["decode_pooled"]  # SGLang's own figure counts the prefill token
@@ -187,4 +197,4 @@ def test_one_server_at_a_time(world, tmp_path):
         cfg = config(world, servers[0], servers[1:], f"out_dir={tmp_path}/out", only=["s213"])
         report = json.loads((run_bench_serve(cfg) / "report.json").read_text())
     assert report["status"] == "complete" and report["servers"]["baseline"]["requests_ok"] == 3
-    assert report["compare"]["s213"]["served_pooled"] == pytest.approx(report["compare"]["s213"]["replay_pooled"])
+    assert_served_equals_replay(report["compare"]["s213"])
