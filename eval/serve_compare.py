@@ -56,6 +56,7 @@ def compare_server(replay: GenerationReplay, prompts: list[list[int]], records: 
     per position where the engine gives it."""
     total = AcceptStats(knobs.max_depth)
     served_req, replay_req, diffs = [], [], []
+    records = [r for r in records if r.get("spec")]  # a one-token reply has no verify step
     for rec in records:
         st = replay.stats(prompts[rec["i"]], rec["output_ids"], knobs)
         total += st

@@ -8,7 +8,7 @@ from typing import Optional
 
 from eagle3 import serve_protocol as sp
 from eagle3.cost_fit import CostFit, CyclePoint
-from eagle3.cost_model import Latencies, predict
+from eagle3.cost_model import Latencies
 
 ACCEPT_LABELS = {
     "engine_pooled": "completion tokens / verify steps over all requests (SGLang's spec_accept_length, pooled; "
