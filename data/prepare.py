@@ -93,7 +93,7 @@ class SplitWriter:
                            "image_grid_thw": [int(x) for g in grids for x in g]})
         self.images += len(data)
         self.image_tokens += sum(media_pad_count(g) for g in grids)
-        self.token_hash.add(conv_id, enc.input_ids, enc.loss_mask)
+        self.token_hash.add(conv_id, enc.input_ids, enc.loss_mask, tuple(data))
         self.rows += 1
         self.tokens += len(enc.input_ids)
         self.loss_tokens += int(enc.loss_mask.sum())

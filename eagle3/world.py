@@ -66,19 +66,22 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 class TokenHash:
-    """sha256 over rows of token ids in order (id, input_ids, loss_mask): prepare feeds every row it
+    """sha256 over rows of token ids in order (id, input_ids, loss_mask, image bytes): prepare feeds every row it
     writes, per split, so two prepared sets share a hash exactly when their rows are identical."""
 
     def __init__(self):
         self._h = hashlib.sha256()
         self.rows = 0
 
-    def add(self, row_id: str, input_ids, loss_mask) -> None:
+    def add(self, row_id: str, input_ids, loss_mask, images: tuple = ()) -> None:
+        """`images`: the row's image bytes, in order (a text row has none; its hash is as before)."""
         import numpy as np
 
         self._h.update(row_id.encode() + b"\0")
         self._h.update(np.asarray(input_ids, dtype=np.int64).tobytes())
         self._h.update(np.asarray(loss_mask, dtype=np.uint8).tobytes())
+        for data in images:  # two image rows differ when their pictures do, even with equal ids
+            self._h.update(b"img" + hashlib.sha256(bytes(data)).digest())
         self.rows += 1
 
     def hexdigest(self) -> str:

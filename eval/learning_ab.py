@@ -25,7 +25,7 @@ import torch
 from eagle3.conf import compose, to_schema
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
 from eval.study import Evaluator, cached_record, checkpoint_every, curve, knobs_of, world_of
-from eval.study_report import metric_names, value
+from eval.study_report import machine, measured_on, metric_names, value
 from eval.study_stats import mean_std, welch_interval
 
 RECORDS = "records"
@@ -82,7 +82,7 @@ def measure_arms(cfg, exp, log) -> None:
             atomic_write_json(path, {"key": key, "arm": arm.name, "seed": seed, "world_seed": cfg.world_seed,
                                      "world": world_of(train_dir), "numerics": m.get("numerics"),
                                      "train_wall_s": m.get("wall_s"), "points": points,
-                                     "eval_seconds": time.time() - t})
+                                     "eval_seconds": time.time() - t, "machine": machine()})
 
 
 def load_ab_records(records_dir: Path, cfg) -> dict[str, list[dict]]:
@@ -133,14 +133,16 @@ def ab_summary(by_arm: dict[str, list[dict]], primary: str, confidence: float, b
             "train_wall_s": {arm: mean_std([r.get("train_wall_s") or float("nan") for r in runs])[0]
                              for arm, runs in by_arm.items()},
             "seeds": {arm: [r["seed"] for r in runs] for arm, runs in by_arm.items()},
-            "world": next(((r.get("world") or {}).get("id") for r in records if r.get("world")), None)}
+            "world": next(((r.get("world") or {}).get("id") for r in records if r.get("world")), None),
+            "machine": measured_on(records)}
 
 
 def render_ab(s: dict) -> str:
     a, b = s["arms"]
     key = f"sim tau {s['primary']}"
     lines = [f"# Learning-quality A/B: {b} vs {a}", "",
-             f"World {s['world']}; seeds {s['seeds'][a]}; mean ± sample std over seeds per budget.", "",
+             f"World {s['world']}; seeds {s['seeds'][a]}; {s['machine']}; mean ± sample std over seeds per budget.",
+             "",
              f"**Verdict: {s['verdict']}.**", "",
              f"| step | tokens | {key}: {a} | {key}: {b} | acc mean: {a} | acc mean: {b} |", "|---|---|---|---|---|---|"]
     acc = next(t for t in s["curves"][a] if t.startswith("acc mean"))

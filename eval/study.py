@@ -29,7 +29,7 @@ import torch
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import as_plain_dict, compose, to_schema
 from eagle3.manifest import atomic_write_json, sha256_file
-from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, write_report
+from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
 
 
 
@@ -266,7 +266,7 @@ def measure_world(cfg, exp, log, t0: float, world: int) -> None:
         points = points_fn()
         final = final_measurements(sides["k25"].load(drafter_dir), sides["k2"].load(drafter_dir), sides, cfg, real)
         atomic_write_json(path, {"key": key, "name": name, **meta, "points": points, "final": final,
-                                 "eval_seconds": time.time() - t})
+                                 "eval_seconds": time.time() - t, "machine": machine()})
         _log_wandb(cfg, json.loads(path.read_text()), out_dir)
         log.rows.append((f"study: measure {name}", time.time() - t, str(path)))
         save_timings(out_dir, t0, log.rows)  # an interrupted invocation keeps its times too

@@ -299,7 +299,7 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
               "latencies": {k: getattr(lat, k) for k in ("baseline_token_ms", "verify_ms", "verify_ms_per_token",
                                                           "draft_step_ms", "draft_extend_ms", "source")},
               "plots": plot_curves(groups, inits, metrics, out_dir, zs["points"][0] if zs else None),
-              "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": measured_on(records), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "timings": load_timings(out_dir),
               "seeds": {i: sorted({r["seed"] for r in groups[i]}) for i in inits},
               "worlds": {str(w): fp for w, fp in sorted(worlds.items())}}
@@ -310,6 +310,16 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     atomic_write_bytes(out_dir / "report.md", text.encode())
     print("\n" + text, flush=True)
     return out_dir
+
+
+def measured_on(records: list[dict]) -> str:
+    """Where the records were measured (each record names its machine), and where this report was
+    built when that differs (a report_only rebuild on another machine)."""
+    here = machine()
+    seen = sorted({r["machine"] for r in records if r.get("machine")})
+    if not seen:
+        return f"report built on {here}; the records do not name their machine"
+    return "measured on " + " + ".join(seen) + ("" if seen == [here] else f"; report built on {here}")
 
 
 def machine() -> str:

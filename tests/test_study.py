@@ -189,3 +189,13 @@ def test_world_seeds_name_runs_and_roots_apart(tmp_path):
         to_schema(compose("study", ["world_seeds=[1,1]"]), StudyConfig)
     with pytest.raises(ConfigError, match=r"\+train.seed is set by the study itself"):
         to_schema(compose("study", ["+train.seed=4"]), StudyConfig)
+
+
+def test_report_names_where_records_were_measured():
+    from eval.study_report import machine, measured_on
+
+    here = machine()
+    assert measured_on([{"machine": here}]) == f"measured on {here}"
+    assert measured_on([{"machine": "gpu-box: x86_64, NVIDIA H200"}, {}]) == \
+        f"measured on gpu-box: x86_64, NVIDIA H200; report built on {here}"
+    assert "do not name their machine" in measured_on([{}])

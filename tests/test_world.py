@@ -98,3 +98,20 @@ def test_deterministic_block_records_nondeterministic_ops_and_restores_torch(mon
     assert ops == ["scatter_add_cuda_kernel"]
     assert [str(w.message) for w in outer] == ["something else entirely"]  # others reach the caller
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_token_hash_sees_rows_masks_and_images():
+    from eagle3.world import TokenHash
+
+    def digest(rows):
+        h = TokenHash()
+        for r in rows:
+            h.add(*r)
+        return h.hexdigest()
+
+    base = [("a", [1, 2, 3], [0, 1, 1]), ("b", [4, 5], [1, 1])]
+    assert digest(base) == digest(list(base))
+    assert digest(base) != digest([("a", [1, 2, 3], [0, 0, 1]), base[1]])          # a loss mask
+    assert digest(base) != digest(base[::-1])                                        # the order
+    assert digest(base) == digest([base[0], base[1] + ((),)])                        # no images: as before
+    assert digest([base[0] + ((b"png1",),)]) != digest([base[0] + ((b"png2",),)])    # the pictures
