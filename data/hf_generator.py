@@ -70,10 +70,17 @@ class HFGenerator:
         for i, x in enumerate(ids):  # left padding: every prompt ends at the last column
             batch[i, longest - len(x):] = torch.tensor(x)
             attn[i, longest - len(x):] = 1
-        kwargs = dict(do_sample=temp > 0, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        # greedy, or sampled with one generator per prompt (data/row_sampling.py): a conversation's answer
+        # does not depend on the batch it was generated in
+        kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
         if temp > 0:
-            kwargs.update(temperature=temp, top_p=self.top_p if top_p is None else top_p)
-            torch.manual_seed(self.seed if seed is None else seed)
+            from transformers import LogitsProcessorList
+
+            from data.row_sampling import PerRowSampler, row_seed
+
+            base = self.seed if seed is None else seed
+            kwargs["logits_processor"] = LogitsProcessorList([PerRowSampler(
+                [row_seed(base, t) for t in texts], temp, self.top_p if top_p is None else top_p, self._device)])
         if self.cut_at_round_trip:
             from transformers import StoppingCriteriaList
 
