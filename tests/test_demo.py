@@ -30,6 +30,14 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     assert json.loads((k2 / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (Path(report["export_dir"]) / "SERVE.md").is_file()
     assert report["best"] in names
+    # one world: every K2.5-side stage manifest carries the world prepare fingerprinted (eagle3/world.py)
+    k25_dirs = (tmp_path / "stages" / "k25_mini").glob("*/manifest.json")
+    manifests = {p.parent.name: json.loads(p.read_text()) for p in k25_dirs}
+    assert {"prepare", "capture", "vocab", "train-scratch", "train-aqmedai_k2"} <= set(manifests)
+    worlds = {name: (m.get("world") or {}).get("id") for name, m in manifests.items()}
+    assert len(set(worlds.values())) == 1 and None not in worlds.values(), worlds
+    export_manifest = json.loads((Path(report["export_dir"]) / "manifest.json").read_text())
+    assert export_manifest["world"]["id"] == worlds["prepare"]
     assert "| drafter |" in (Path(out) / "report.md").read_text()
     # a rerun reuses every finished stage
     again = run_demo(cfg)
