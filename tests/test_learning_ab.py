@@ -46,16 +46,14 @@ def test_verdict_rule_on_hand_made_curves():
 def test_learning_ab_end_to_end_on_the_toy_world(tmp_path, tiny_k25_target, tiny_k2_target):
     from eval.demo import Experiment, StageLog
     from eval.learning_ab import RECORDS, load_ab_records, measure_arms, run_learning_ab, write_ab_report
-    from tests.fixtures.train_world import write_world
+    from tests.fixtures.train_world import TOY_TRAIN, write_world
 
     root = tmp_path / "root"
     k25 = write_world(root / "stages" / "k25_mini", tiny_k25_target, n_train=12, n_val=4, seed=0)
     exp = Experiment(k2=[], k25=[f"paths.root={root}", "target=k25_mini", f"target.path={tiny_k25_target}",
                                  f"target.k2_drafter={k25['old_drafter']}"],
                      k2_drafter=k25["old_drafter"], vocab_dir=k25["vocab"])
-    train = ["ttt_length=3", "data.max_tokens_per_batch=160", "data.max_length=40", "data.bucket_window=8",
-             "optim.lr=0.003", "optim.warmup_steps=1", "log_every=2", "val_accept_sequences=0", "progress=false",
-             "cpu=true", "epochs=100"]
+    train = TOY_TRAIN
     over = [f"paths.root={root}", "demo_size=ci", "train_steps=4", "curve.points=3", "wandb.mode=disabled",
             "num_threads=1", "+eval.ttt_length=3", "+eval.progress=false", "seeds=[0,1]",
             'arms=[{name:fast,train:["unroll=fast"]},{name:reference,train:["unroll=reference"]}]']

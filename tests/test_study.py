@@ -91,7 +91,7 @@ def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_t
 def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     from eval.demo import Experiment, StageLog
     from eval.study import study_on
-    from tests.fixtures.train_world import write_world
+    from tests.fixtures.train_world import TOY_TRAIN, write_world
 
     root = tmp_path / "root"
     k25 = write_world(root / "stages" / "k25_mini", tiny_k25_target, n_train=12, n_val=4, seed=0)
@@ -101,9 +101,7 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
                           f"target.k2_drafter={k25['old_drafter']}"],
                      k2_drafter=k25["old_drafter"], vocab_dir=k25["vocab"])
     # the stage settings go in as a user types them on the study's command line (+train.*, +eval.*)
-    train = ["ttt_length=3", "data.max_tokens_per_batch=160", "data.max_length=40", "data.bucket_window=8",
-             "optim.lr=0.003", "optim.warmup_steps=1", "log_every=2", "val_accept_sequences=0", "progress=false",
-             "cpu=true", "epochs=100"]
+    train = TOY_TRAIN
     over = [f"paths.root={root}", "demo_size=ci", "train_steps=4", "curve.points=3", "wandb.mode=disabled",
             "num_threads=1", "knob_grid.num_steps=[1,2]", "+eval.ttt_length=3", "+eval.progress=false"]
     over += [f"+train.{o}" for o in train]
