@@ -17,7 +17,6 @@ is installed outside tests): a resume test slows the capture there so it can kil
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -31,6 +30,7 @@ from data.capture_plan import CaptureError, Seq, make_batches, plan_split
 from eagle3 import aux_layers, hooks, target_io
 from eagle3.aux_layers import AuxChoice, AuxLayerError
 from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
+from eagle3.manifest import read_json
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
 
 PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
@@ -247,7 +247,7 @@ def check_split_dir(split_dir: Path, cfg, dist: Dist) -> None:
     if dist.world == 1:
         return  # a one-process writer on split_dir compares the meta (world_size) itself
     path = split_dir / "manifest.json"
-    old = json.loads(path.read_text()).get("meta", {}).get("world_size") if path.is_file() else dist.world
+    old = read_json(path, CaptureError).get("meta", {}).get("world_size") if path.is_file() else dist.world
     dist.barrier()
     if old != dist.world:
         if not cfg.overwrite:
@@ -336,8 +336,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     """The capture stage (`cfg`: eagle3.schema.capture.CaptureConfig). Returns the stage dir."""
     import datasets
 
-    from eagle3.conf import as_plain_dict
-    from eagle3.manifest import ManifestError, fingerprint, read_manifest, write_manifest
+    from eagle3.manifest import ManifestError, fingerprint, read_manifest, stale_keys, write_manifest
 
     out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
     try:
@@ -358,16 +357,10 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     fingerprints = {"target": target_fingerprint(cfg.target.path), "tokenizer": check_tokenizer(cfg, prep_manifest),
                     "prepare": fingerprint(in_dir)}
     dist = dist or default_dist()
-    config_dict = as_plain_dict(cfg)
-    try:
-        old = read_manifest(out, "capture")
-        if (old.get("config") == config_dict and old.get("fingerprints") == fingerprints
-                and old.get("world_size") == dist.world
-                and all((out / split / "manifest.json").is_file() for split in cfg.splits)):
-            print(f"[capture] {out} is up to date with this config, target and dataset; reusing it")
-            return out
-    except ManifestError:
-        pass
+    if (not stale_keys(out, "capture", {"config": cfg, "fingerprints": fingerprints, "world_size": dist.world})
+            and all((out / split / "manifest.json").is_file() for split in cfg.splits)):
+        print(f"[capture] {out} is up to date with this config, target and dataset; reusing it")
+        return out
     vllm_setup = None
     if cfg.backend == "vllm":  # a vLLM engine runs the target; checked before any work (data/capture_vllm.py)
         from data import capture_vllm

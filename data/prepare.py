@@ -183,15 +183,12 @@ def load_tokenizer(target):
 
 
 def _reusable(out, config_dict: dict, fingerprints: dict) -> bool:
-    from eagle3.manifest import ManifestError, read_manifest
+    from eagle3.manifest import read_manifest, stale_keys
 
-    try:
-        m = read_manifest(out, "prepare")
-    except ManifestError:
+    if stale_keys(out, "prepare", {"config": config_dict, "fingerprints": fingerprints}):
         return False
     # A run in which some regenerations failed is never reused: rerunning is how they get retried.
-    return (m.get("config") == config_dict and m.get("fingerprints") == fingerprints
-            and not m.get("counts", {}).get("skipped", {}).get("regen_failed")
+    return (not read_manifest(out, "prepare").get("counts", {}).get("skipped", {}).get("regen_failed")
             and (out / "train").is_dir() and (out / "validation").is_dir())
 
 

@@ -139,9 +139,8 @@ def run_vocab(cfg) -> Path:
 
     from safetensors.torch import save_file
 
-    from eagle3.conf import as_plain_dict
     from eagle3.manifest import (ManifestError, atomic_write_json, fingerprint, read_manifest, sha256_file,
-                                 write_manifest)
+                                 stale_keys, write_manifest)
 
     in_dir, out = Path(cfg.in_dir), Path(cfg.out_dir)
     try:
@@ -155,14 +154,9 @@ def run_vocab(cfg) -> Path:
     init_files = drafter_weight_files(init_dir) if init_dir is not None and init_dir.is_dir() else []
     init_fp = ";".join(sha256_file(f) for f in init_files) if init_files else None
     inputs_fp = {"prepare": fingerprint(in_dir), "init_drafter": init_fp}
-    try:
-        old_m = read_manifest(out, "vocab")
-        if old_m.get("config") == as_plain_dict(cfg) and old_m.get("fingerprints") == inputs_fp \
-                and (out / VOCAB_FILE).is_file():
-            print(f"[vocab] {out} is up to date with this config and input; reusing it")
-            return out
-    except ManifestError:
-        pass
+    if not stale_keys(out, "vocab", {"config": cfg, "fingerprints": inputs_fp}) and (out / VOCAB_FILE).is_file():
+        print(f"[vocab] {out} is up to date with this config and input; reusing it")
+        return out
 
     v, n = target_vocab_size(cfg), cfg.draft_vocab_size
     if n > v:

@@ -31,7 +31,7 @@ from eagle3 import aux_layers, vocab_map
 from eagle3.drafter_keys import ConfigRefused
 from eagle3.errors import StageError
 from eagle3.dtypes import TORCH_FLOAT_DTYPES, torch_dtype  # noqa: F401  (torch_dtype: re-exported)
-from eagle3.manifest import atomic_write_bytes
+from eagle3.manifest import atomic_write_bytes, read_json
 from eagle3.model import DrafterConfig, Eagle3Drafter
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,8 @@ class DrafterConfigRefused(DrafterLoadError):
 
 def read_config_dict(drafter_dir: str | Path) -> dict:
     """The drafter's `config.json` as a dict (a clear error for a missing or unreadable file)."""
-    path = Path(drafter_dir) / CONFIG
-    if not path.is_file():
-        raise DrafterLoadError(f"drafter {drafter_dir}: no {CONFIG} (not a drafter directory?)")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterLoadError(f"{path}: {e}") from e
-    if not isinstance(d, dict):
-        raise DrafterLoadError(f"{path}: a JSON object expected, found {type(d).__name__}")
-    return d
+    return read_json(Path(drafter_dir) / CONFIG, DrafterLoadError, unreadable="{e}",
+                     missing=f"drafter {drafter_dir}: no {CONFIG} (not a drafter directory?)")
 
 
 def listed_aux_ids(config: dict) -> Optional[list[int]]:

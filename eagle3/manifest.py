@@ -96,14 +96,55 @@ def write_manifest(stage_dir: Path, stage: str, config: Any, inputs: dict[str, P
     return manifest
 
 
+def read_json(path: Path, error: type[Exception] = ManifestError, *, missing: str | None = None,
+              unreadable: str = "not valid JSON ({e})") -> dict:
+    """The one "read a JSON object or raise": `path`'s object, or `error` naming the file and the cause
+    (`missing`: the message for an absent file; `unreadable`: the cause of a bad one, `{e}` the parser's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(missing or f"{path}: missing")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: {unreadable.format(e=e)}") from e
+    if not isinstance(obj, dict):
+        raise error(f"{path}: a JSON object expected, found {type(obj).__name__}")
+    return obj
+
+
 def read_manifest(stage_dir: Path, stage: str | None = None) -> dict:
     path = Path(stage_dir) / MANIFEST
-    if not path.is_file():
-        raise ManifestError(f"{stage_dir}: no {MANIFEST}; run the {stage or 'previous'} stage first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e}); the stage directory is corrupt, rerun that stage") from e
+    manifest = read_json(path, missing=f"{stage_dir}: no {MANIFEST}; run the {stage or 'previous'} stage first",
+                         unreadable="not valid JSON ({e}); the stage directory is corrupt, rerun that stage")
     if stage is not None and manifest.get("stage") != stage:
         raise ManifestError(f"{path}: is a {manifest.get('stage')!r} manifest, expected {stage!r}")
     return manifest
+
+
+def _as_recorded(value: Any) -> Any:
+    """`value` as a manifest records it (JSON: tuples become lists, paths strings)."""
+    from eagle3.conf import as_plain_dict
+
+    return json.loads(json.dumps(as_plain_dict(value), default=str))
+
+
+def stale_keys(stage_dir: Path, stage: str, expected: dict[str, Any]) -> list[str]:
+    """The stage skeleton's reuse check, written once: [] when `stage_dir` holds a finished `stage`
+    manifest that records exactly `expected` (e.g. {"config": cfg, "fingerprints": {...}}), else what
+    differs: "no manifest" or the differing keys, one level deep ("config.lr", "fingerprints.target").
+    Each stage adds its own completeness conditions (files it needs) and redoes its work when the
+    list is not empty."""
+    try:
+        recorded = read_manifest(stage_dir, stage)
+    except ManifestError:
+        return ["no finished manifest"]
+    out = []
+    for key, want in expected.items():
+        want, have = _as_recorded(want), recorded.get(key)
+        if want == have:
+            continue
+        if isinstance(want, dict) and isinstance(have, dict):
+            out += [f"{key}.{k}" for k in sorted(set(want) | set(have), key=str) if want.get(k) != have.get(k)]
+        else:
+            out.append(key)
+    return out

@@ -3,12 +3,12 @@
 eagle3/store.py. Imports only torch (core code)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eagle3.choices import AUX_FP8  # noqa: F401  (capture.aux_dtype's one quantised format; re-exported)
 from eagle3.dtypes import TORCH_FLOAT_DTYPES
 from eagle3.errors import StageError
+from eagle3.manifest import read_json
 
 STORE_FORMAT = "eagle3-hidden-state-store"
 STORE_VERSION = 1  # raise when a reader of today would misread a new store; readers refuse newer versions
@@ -37,12 +37,8 @@ class NonFiniteHiddenStateError(StageError, ValueError):
 
 def read_store_manifest(store_dir: Path) -> dict:
     path = store_dir / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"{store_dir}: not a hidden-state store (no {MANIFEST}); run the capture stage first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{path}: unreadable store manifest ({e})") from e
+    manifest = read_json(path, StoreError, unreadable="unreadable store manifest ({e})",
+                         missing=f"{store_dir}: not a hidden-state store (no {MANIFEST}); run the capture stage first")
     if manifest.get("format") != STORE_FORMAT:
         raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {STORE_FORMAT!r}")
     version = manifest.get("version", 1)

@@ -29,7 +29,7 @@ import torch
 from eagle3 import aux_layers, export_spec as spec
 from eagle3.checkpoints import INDEX_FILE, index_problems
 from eagle3.errors import StageError
-from eagle3.manifest import atomic_write_bytes, read_manifest, sha256_file, write_manifest
+from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
 from eagle3.model import config_sizes, rope_settings
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
@@ -147,9 +147,9 @@ def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
     if not manifest_path.is_file():
         return []
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return [f"{manifest_path}: unreadable train manifest"]
+        manifest = read_json(manifest_path, unreadable="unreadable train manifest")
+    except ManifestError as e:
+        return [str(e)]
     if manifest.get("stage") != "train":  # e.g. a drafter directory inside the mini world: no claim to check
         return []
     inputs = manifest.get("inputs") or {}
@@ -220,13 +220,7 @@ def _inputs_fingerprint(config) -> dict[str, Any]:
 
 
 def _reusable(config, out_dir: Path, fingerprints: dict, validate_kw: dict) -> bool:
-    try:
-        old = read_manifest(out_dir, STAGE)
-    except Exception:
-        return False
-    from eagle3.conf import as_plain_dict
-
-    if old.get("config") != json.loads(json.dumps(as_plain_dict(config))) or old.get("fingerprints") != fingerprints:
+    if stale_keys(out_dir, STAGE, {"config": config, "fingerprints": fingerprints}):
         return False
     return not any(validate_format_dir(format_dir(out_dir, f), f, **validate_kw,
                                        embed_tokens=_ships_embed(config, f)) for f in formats_of(config.format))

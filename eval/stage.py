@@ -7,7 +7,6 @@ manifest names the same config, capture fingerprint and drafter checksum is reus
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, as_plain_dict
 from eagle3.cost_model import Latencies, predict
 from eagle3.cost_presets import resolve_preset
-from eagle3.manifest import MANIFEST, atomic_write_json, fingerprint, write_manifest
+from eagle3.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
+                             write_manifest)
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
 from eagle3.schema.eval import EvalConfig
 
@@ -100,13 +100,13 @@ def prompts_from_store(store, n: int) -> list[torch.Tensor]:
 
 
 def _reusable(out_dir: Path, config: dict, inputs: dict) -> Optional[dict]:
-    try:
-        m = json.loads((out_dir / MANIFEST).read_text())
-        report = json.loads((out_dir / REPORT).read_text())
-    except (OSError, json.JSONDecodeError):
+    """The report of a finished eval with this config and these inputs, else None."""
+    if stale_keys(out_dir, "eval", {"config": config, "eval_inputs": inputs}):
         return None
-    ok = m.get("config") == config and m.get("eval_inputs") == inputs
-    return report if ok else None
+    try:
+        return read_json(out_dir / REPORT)
+    except ManifestError:
+        return None
 
 
 def _log_wandb(cfg: EvalConfig, report: dict, out_dir: Path, plots: dict) -> Optional[str]:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eagle3.conf import as_plain_dict
-from eagle3.manifest import MANIFEST, read_manifest
+from eagle3.manifest import read_manifest, stale_keys
 from train.engine import make_accelerator, prefer_expandable_segments, uses_fsdp
 from train.inputs import open_inputs
 from train.trainer import FINAL, Trainer, init_fingerprint
@@ -42,11 +41,9 @@ def run_train(config) -> Path:
 
 
 def _finished_run_matches(out: Path, config, fingerprints: dict) -> bool:
-    if not (out / MANIFEST).is_file() or not (out / FINAL / "config.json").is_file():
+    if not (out / FINAL / "config.json").is_file() or stale_keys(
+            out, "train", {"config": config, "init_fingerprint": init_fingerprint(config)}):
         return False
-    try:
-        m = read_manifest(out, "train")
-    except Exception:
-        return False
-    same_inputs = {k: v["fingerprint"] for k, v in m.get("inputs", {}).items()} == fingerprints
-    return same_inputs and m.get("config") == as_plain_dict(config) and m.get("init_fingerprint") == init_fingerprint(config)
+    # the manifest records each input as {"path", "fingerprint"}: compared on the fingerprints alone
+    recorded = read_manifest(out, "train").get("inputs", {})
+    return {k: v.get("fingerprint") for k, v in recorded.items() if isinstance(v, dict)} == fingerprints
