@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from data.capture import Seq, capture_batch, capture_split, Dist  # noqa: E402
 from eagle3 import aux_layers, target_io  # noqa: E402
+from eagle3.dtypes import torch_dtype  # noqa: E402
 from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
 
 
@@ -105,7 +106,7 @@ def main() -> None:
             model = DeepseekV3ForCausalLM._from_config(cfg, dtype=dtype).eval()
     L, H, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     hf_indices = aux_layers.choose_hf_indices(None, None, args.aux_hf_indices, L).hf_indices
-    store_dtype = getattr(torch, args.store_dtype)
+    store_dtype = torch_dtype(args.store_dtype)
     per_batch = max(1, args.tokens_per_batch // args.seq_len)
     g = torch.Generator().manual_seed(0)
     batches = [[torch.randint(0, V, (args.seq_len,), generator=g) for _ in range(per_batch)]

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.accept_sim import SpecKnobs  # noqa: E402
+from eagle3.dtypes import torch_dtype  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
 from eagle3.replay.evaluate import simulate_accept_length, teacher_forced_accuracy  # noqa: E402
@@ -40,7 +41,7 @@ def main():
     ap.add_argument("--disk", action="store_true", help="write and read a real store (default: in-memory)")
     args = ap.parse_args()
     H, I, h, hkv, d, V, DV = PRESETS[args.preset]
-    dt = getattr(torch, args.dtype)
+    dt = torch_dtype(args.dtype)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=h, num_key_value_heads=hkv,
                         head_dim=d, vocab_size=V, draft_vocab_size=DV, target_hidden_size=H, aux_hf_indices=[1, 2, 3])
     torch.manual_seed(0)

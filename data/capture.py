@@ -30,6 +30,7 @@ from data.capture_plan import CaptureError, Seq, make_batches, plan_split
 from eagle3 import aux_layers, hooks, target_io
 from eagle3.aux_layers import AuxChoice, AuxLayerError
 from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
+from eagle3.dtypes import torch_dtype
 from eagle3.manifest import read_json
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError, StoreMismatchError, merge_stores
 
@@ -175,7 +176,7 @@ def capture_split(model, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf
     are skipped, a batch partly committed is recomputed whole so its values are unchanged)."""
     from tqdm import tqdm
 
-    store_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
+    store_dtype = torch_dtype(cfg.dtype)
     batches = make_batches(seqs, cfg.max_tokens_per_batch)[dist.rank::dist.world]
     todo = [b for b in batches if any(s.id not in writer.done_ids for s in b)]
     tm = target_io.text_model(model)
@@ -415,7 +416,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     if vllm_setup is not None:
         engine.close()
     if dist.is_main:
-        state_bytes = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
+        state_bytes = torch.finfo(torch_dtype(cfg.dtype)).bits // 8
         n_aux = len(hf_indices)
         aux_bytes = n_aux * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else n_aux * H * state_bytes
         bytes_per_token = aux_bytes + H * state_bytes + 9

@@ -31,6 +31,7 @@ import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
 from eagle3 import target_io, vllm_protocol
+from eagle3.dtypes import torch_dtype
 from eagle3.fast_kernels import rms_norm
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
 
@@ -200,7 +201,7 @@ class Teacher:
     def __init__(self, cfg, text_cfg: dict):
         dev = cfg.vllm.head_device
         self.device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
-        dtype = getattr(torch, cfg.target.dtype)
+        dtype = torch_dtype(cfg.target.dtype)
         self.eps = float(text_cfg.get("rms_norm_eps", 1e-6))
         self.norm_weight = target_io.load_final_norm(cfg.target.path, cfg.target.layout).to(self.device, dtype)
         weight = target_io.load_lm_head_rows(cfg.target.path, cfg.target.layout).to(self.device, dtype)
@@ -267,7 +268,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
     unlike the HF backend a batch is not recomputed whole: the engine runs each request on its own)."""
     from tqdm import tqdm
 
-    store_dtype = getattr(torch, cfg.dtype)
+    store_dtype = torch_dtype(cfg.dtype)
     removed, live = clean_storage(setup.storage_dir)
     if removed or live:
         print(f"[capture] deleted {removed} connector files an interrupted run left in {setup.storage_dir}"

@@ -29,8 +29,23 @@ if not OmegaConf.has_resolver("repo_root"):
     OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
 
 
+def stage_dir(name: str, *, _root_) -> str:
+    """The one stage-path rule: `${stage_dir:capture}` = <paths.stages>/<target.name>/capture."""
+    return f"{_root_.paths.stages}/{_root_.target.name}/{name}"
+
+
+if not OmegaConf.has_resolver("stage_dir"):
+    OmegaConf.register_new_resolver("stage_dir", stage_dir)
+
+
 class ConfigError(StageError, ValueError):
     """A configuration that cannot be used, with the reason in the message (one line)."""
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """The schemas' one choice check: ConfigError "<name>=<value>: expected one of <choices>"."""
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {choices}")
 
 
 SCHEMA_GROUP = "schema"  # conf/<stage>.yaml's first default: `- schema/<stage>`
@@ -50,6 +65,16 @@ def register_stage(stage: str, schema: type) -> None:
     _STAGE_SCHEMAS[stage] = schema
     defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
     ConfigStore.instance().store(group=SCHEMA_GROUP, name=stage, node=defaults, package="_global_")
+
+
+def register_group(group: str, schema: type) -> None:
+    """Make the dataclass `schema`'s defaults the base of every `conf/<group>/<choice>.yaml` (ConfigStore
+    `schema/<group>`, which each such file lists first: `- /schema/<group>@_here_`), so a choice file
+    writes only what differs from the schema and every field stays overridable (`target.device_map=auto`)."""
+    from hydra.core.config_store import ConfigStore
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
+    ConfigStore.instance().store(group=SCHEMA_GROUP, name=group, node=defaults)
 
 
 def _import_schema(stage: str) -> None:

@@ -28,11 +28,9 @@ import torch
 from eagle3 import aux_layers, drafter_keys, vocab_map
 from eagle3.model import DEFAULT_ROPE_THETA, config_sizes, rope_settings
 from eagle3.choices import EXPORT_FORMAT_CHOICES, EXPORT_FORMATS
-from eagle3.dtypes import TORCH_FLOAT_DTYPES
 
 FORMATS, FORMAT_CHOICES = EXPORT_FORMATS, EXPORT_FORMAT_CHOICES  # export.format's choices (eagle3/choices.py)
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
-WEIGHT_DTYPES = TORCH_FLOAT_DTYPES  # exported weights: every float dtype name
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 # Names (after the layer prefix) of the one decoder layer, and the tensors outside it.

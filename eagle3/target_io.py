@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from eagle3 import release_format
 from eagle3.choices import TARGET_LAYOUTS as LAYOUTS
+from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
 
 REQUIRED_TEXT_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
@@ -235,7 +236,7 @@ def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_m
         release_format.check_checkpoint(full, text_config, _weight_files(Path(path)), str(path))
     except release_format.ReleaseFormatError as e:
         raise TargetError(str(e)) from e
-    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, output_loading_info=True)
+    kwargs = dict(dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
     if layout == "kimi_k25" and hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
@@ -259,7 +260,7 @@ def load_target(path: str | Path, layout: str, dtype: str = "bfloat16", device_m
     model.eval()
     decoder_layers(model), final_norm(model), lm_head(model)  # fail now if the structure is unexpected
     if release_format.is_packed_int4(release_format.quantization_config_of(full)):
-        _experts_to_dtype(model, getattr(torch, dtype))
+        _experts_to_dtype(model, torch_dtype(dtype))
     return model, text_config
 
 

@@ -28,6 +28,7 @@ import torch
 
 from eagle3 import aux_layers, export_spec as spec
 from eagle3.checkpoints import INDEX_FILE, index_problems
+from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
 from eagle3.model import config_sizes, rope_settings
@@ -297,7 +298,7 @@ def run_export(config) -> Path:
 def _write_and_check(tmp: Path, config, configs: dict, reference, embed: torch.Tensor, src: Sources,
                      validate_kw: dict) -> dict[str, Any]:
     """Write each format under tmp, validate it from disk, load it back and compare with the checkpoint."""
-    weight_dtype = spec.WEIGHT_DTYPES[config.dtype]
+    weight_dtype = torch_dtype(config.dtype)
     batches = validation_batches(src.store_dir, config.verify_sequences, config.verify_tokens)
     # takes the checkpoint's full-precision logits, then rounds its weights to the export dtype in place:
     # exporting the rounded weights writes exactly what casting the originals would

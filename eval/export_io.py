@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from eagle3 import drafter_keys
 from eagle3 import export_spec as spec
+from eagle3.dtypes import torch_dtype
 from eagle3.manifest import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         return problems + [f"{w_path}: unreadable safetensors file ({e})"]
     with_embed = fmt == "speculators" and embed_tokens is not False
-    problems += spec.tensor_problems(headers, spec.expected_tensors(shape, fmt, spec.WEIGHT_DTYPES[dtype], with_embed))
+    problems += spec.tensor_problems(headers, spec.expected_tensors(shape, fmt, torch_dtype(dtype), with_embed))
     try:
         with safe_open(str(w_path), framework="pt") as f:
             if with_embed and isinstance(embed_tokens, torch.Tensor) and spec.EMBED in headers:

@@ -90,6 +90,58 @@ def test_primary_yaml_holds_only_groups_and_derived_paths(stage):
             f"conf/{stage}.yaml sets {key}={value!r}: put the default in eagle3/schema/{stage}.py"
 
 
+GROUP_SCHEMAS = {"init": "InitConf", "target": "TargetConf"}  # conf/<group>/*.yaml -> eagle3/schema/common.py
+
+
+def group_repeats(group: str) -> list[str]:
+    """Keys a group file (conf/<group>/<choice>.yaml) sets to its schema's own default: a second home."""
+    from eagle3.schema import common
+
+    defaults = defaults_of(getattr(common, GROUP_SCHEMAS[group]))
+    found = []
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if raw.get("defaults", [None])[0] != f"/{SCHEMA_GROUP}/{group}@_here_":
+            found.append(f"conf/{group}/{path.name}: does not start from its schema (- /{SCHEMA_GROUP}/{group}@_here_)")
+        found += [f"conf/{group}/{path.name}: {k}={v!r} is the schema's default" for k, v in raw.items()
+                  if k in defaults and as_plain_dict(defaults[k]) == v]
+    return found
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_SCHEMAS))
+def test_group_files_set_only_what_differs_from_the_schema(group):
+    assert sorted((CONF_DIR / group).glob("*.yaml")), group
+    assert group_repeats(group) == []
+
+
+def test_group_repeat_check_sees_a_repeated_default(tmp_path, monkeypatch):
+    """The check above can fail: a group file that writes a default again is named."""
+    (tmp_path / "init").mkdir()
+    (tmp_path / "init" / "x.yaml").write_text("name: x\nnew_row_init: target_lm_head\n")
+    (tmp_path / "init" / "y.yaml").write_text("defaults:\n  - /schema/init@_here_\n  - _self_\nname: y\n")
+    monkeypatch.setattr(sys.modules[__name__], "CONF_DIR", tmp_path)
+    assert group_repeats("init") == ["conf/init/x.yaml: does not start from its schema (- /schema/init@_here_)",
+                                     "conf/init/x.yaml: new_row_init='target_lm_head' is the schema's default"]
+
+
+@pytest.mark.parametrize("stage,group,choice", [(s, g, c) for s, g in (("train", "init"), ("capture", "target"))
+                                                for c in sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))])
+def test_a_group_choice_composes_to_its_file_over_the_schema(stage, group, choice, tmp_path):
+    """Each group file, chosen, gives the schema's defaults except where the file says otherwise."""
+    from eagle3.schema import common
+
+    overrides = [f"paths.root={tmp_path}", "+init=scratch" if group != "init" else f"+init={choice}"]
+    if group == "target":
+        overrides.append(f"target={choice}")
+    typed = getattr(to_schema(compose(stage, overrides), stage_schema(stage)), group)
+    raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{choice}.yaml"), resolve=False)
+    defaults = {k: v for k, v in defaults_of(getattr(common, GROUP_SCHEMAS[group])).items() if k not in raw}
+    assert group != "init" or defaults, f"conf/init/{choice}.yaml repeats every default"
+    assert mismatches(typed, defaults) == []
+    plain = {k: v for k, v in raw.items() if k != "defaults" and "${" not in str(v)}
+    assert {k: as_plain_dict(getattr(typed, k)) for k in plain} == plain
+
+
 def test_base_group_sets_no_stage_value():
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "base" / "stage.yaml"), resolve=False)
     assert set(raw) == {"hydra"}

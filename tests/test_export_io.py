@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3 import export_spec as spec
+from eagle3.dtypes import torch_dtype
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from tests.fixtures.export_world import AUX_IDS, HF_INDICES, tiny_drafter
 
@@ -21,7 +22,7 @@ def write_dir(path, fmt, model=None, dtype="bfloat16"):
                             hf_indices=HF_INDICES, dtype=dtype)
     cfg = sg if fmt == "sglang" else spec.speculators_config(
         sg, hf_indices=HF_INDICES, verifier_path="/t", verifier_architectures=["X"], speculative_tokens=2)
-    write_format_dir(path, cfg, export_tensors(model.export_state_dict(), fmt, spec.WEIGHT_DTYPES[dtype]), fmt)
+    write_format_dir(path, cfg, export_tensors(model.export_state_dict(), fmt, torch_dtype(dtype)), fmt)
     return path
 
 

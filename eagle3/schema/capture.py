@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 from eagle3 import aux_layers
 from eagle3.choices import AUX_DTYPES, CAPTURE_BACKENDS, FLOAT_DTYPES, OVERLONG_POLICIES, SPLITS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 from eagle3.schema.capture_vllm import VllmCaptureConf
 
@@ -49,14 +49,11 @@ class CaptureConfig:
     vllm: VllmCaptureConf = field(default_factory=VllmCaptureConf)  # the engine of backend=vllm
 
     def validate(self) -> None:
-        if self.backend not in CAPTURE_BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}: expected one of {CAPTURE_BACKENDS}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
+        check_choice("backend", self.backend, CAPTURE_BACKENDS)
+        check_choice("dtype", self.dtype, FLOAT_DTYPES)
         if self.aux_dtype is not None and self.aux_dtype not in AUX_DTYPES:
             raise ConfigError(f"aux_dtype={self.aux_dtype!r}: expected null (= dtype) or one of {AUX_DTYPES}")
-        if self.on_overlong not in OVERLONG_POLICIES:
-            raise ConfigError(f"on_overlong={self.on_overlong!r}: expected one of {OVERLONG_POLICIES}")
+        check_choice("on_overlong", self.on_overlong, OVERLONG_POLICIES)
         for name in ("max_tokens_per_batch", "shard_tokens", "argmax_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")

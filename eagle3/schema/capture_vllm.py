@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from eagle3.choices import DEVICES, VLLM_ENGINES
-from eagle3.conf import ConfigError
+from eagle3.conf import ConfigError, check_choice
 
 
 @dataclass
@@ -26,10 +26,8 @@ class VllmCaptureConf:
     head_device: str = "auto"  # final norm + lm_head argmax: auto = cuda if available, else cpu
 
     def validate(self) -> None:
-        if self.engine not in VLLM_ENGINES:
-            raise ConfigError(f"vllm.engine={self.engine!r}: expected one of {VLLM_ENGINES}")
-        if self.head_device not in DEVICES:
-            raise ConfigError(f"vllm.head_device={self.head_device!r}: expected one of {DEVICES}")
+        check_choice("vllm.engine", self.engine, VLLM_ENGINES)
+        check_choice("vllm.head_device", self.head_device, DEVICES)
         for name in ("tensor_parallel_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"vllm.{name}={getattr(self, name)}: must be >= 1")

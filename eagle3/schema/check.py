@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from eagle3 import aux_layers
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -23,8 +23,7 @@ class CheckConfig:
     init: Optional[InitConf] = None
 
     def validate(self) -> None:
-        if self.aux_id_rule not in aux_layers.RULES:
-            raise ConfigError(f"aux_id_rule={self.aux_id_rule!r}: expected one of {aux_layers.RULES}")
+        check_choice("aux_id_rule", self.aux_id_rule, aux_layers.RULES)
 
 
 register_stage("check", CheckConfig)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from eagle3 import aux_layers
 from eagle3.choices import FLOAT_DTYPES, NEW_ROW_RULES, TARGET_LAYOUTS, WANDB_MODES
-from eagle3.conf import ConfigError
+from eagle3.conf import ConfigError, check_choice, register_group
 
 
 @dataclass
@@ -30,10 +30,8 @@ class TargetConf:
     k2_drafter: Optional[str] = None
 
     def validate(self) -> None:
-        if self.layout not in TARGET_LAYOUTS:
-            raise ConfigError(f"target.layout={self.layout!r}: expected one of {TARGET_LAYOUTS}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"target.dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
+        check_choice("target.layout", self.layout, TARGET_LAYOUTS)
+        check_choice("target.dtype", self.dtype, FLOAT_DTYPES)
 
 
 @dataclass
@@ -46,10 +44,8 @@ class InitConf:
     aux_id_rule: str = aux_layers.DEFAULT_RULE
 
     def validate(self) -> None:
-        if self.aux_id_rule not in aux_layers.RULES:
-            raise ConfigError(f"init.aux_id_rule={self.aux_id_rule!r}: expected one of {aux_layers.RULES}")
-        if self.new_row_init not in NEW_ROW_RULES:
-            raise ConfigError(f"init.new_row_init={self.new_row_init!r}: expected one of {NEW_ROW_RULES}")
+        check_choice("init.aux_id_rule", self.aux_id_rule, aux_layers.RULES)
+        check_choice("init.new_row_init", self.new_row_init, NEW_ROW_RULES)
         if self.name != "scratch" and not self.drafter_path:
             raise ConfigError(f"init={self.name} needs init.drafter_path (the drafter directory to start from)")
 
@@ -65,5 +61,8 @@ class WandbConf:
     tags: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ConfigError(f"wandb.mode={self.mode!r}: expected one of {WANDB_MODES}")
+        check_choice("wandb.mode", self.mode, WANDB_MODES)
+
+
+register_group("init", InitConf)
+register_group("target", TargetConf)

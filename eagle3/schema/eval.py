@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from eagle3.choices import DEVICES, FLOAT_DTYPES, NGRAM_PREFER
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
 
@@ -23,7 +23,24 @@ class KnobConf:
         try:
             SpecKnobs(self.num_steps, self.topk, self.num_draft_tokens)
         except ValueError as e:
-            raise ConfigError(f"knobs: {e}") from e
+            raise ConfigError(str(e)) from e
+
+
+def default_knobs() -> List[KnobConf]:
+    """The knob settings measured unless a config names others (eval's `knobs`, the study's `curve.knobs`):
+    the account's setting, AQ-MedAI's published one, and a small tree (the README's table has a column for each)."""
+    return [KnobConf(2, 1, 3), KnobConf(3, 1, 4), KnobConf(3, 2, 6)]
+
+
+def check_knobs(knobs: List[KnobConf], where: str) -> None:
+    """At least one knob setting, each valid (to_schema's tree walk does not descend into lists)."""
+    if not knobs:
+        raise ConfigError(f"{where}: give at least one {{num_steps, topk, num_draft_tokens}} setting")
+    for k in knobs:
+        try:
+            KnobConf.validate(k)  # the knob check itself (ServeConf.validate comes here too)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from e
 
 
 @dataclass
@@ -35,8 +52,7 @@ class NgramConf:
     def validate(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ConfigError(f"ngram: need 1 <= min_ngram ({self.min_ngram}) <= max_ngram ({self.max_ngram})")
-        if self.prefer not in NGRAM_PREFER:
-            raise ConfigError(f"ngram.prefer={self.prefer!r}: expected one of {NGRAM_PREFER}")
+        check_choice("ngram.prefer", self.prefer, NGRAM_PREFER)
 
 
 @dataclass
@@ -86,9 +102,7 @@ class EvalConfig:
     dtype: str = "float32"      # the drafter's dtype during eval
     max_sequences: Optional[int] = None  # null: the whole split
     ttt_length: int = 7
-    # SGLang --speculative-num-steps / -eagle-topk / -num-draft-tokens: the account's setting,
-    # AQ-MedAI's published one, and a small tree (the README's table has a column for each)
-    knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 1, 4), KnobConf(3, 2, 6)])
+    knobs: List[KnobConf] = field(default_factory=default_knobs)  # SGLang's three speculative knobs
     ngram: NgramConf = field(default_factory=NgramConf)
     real_loop: RealLoopConf = field(default_factory=RealLoopConf)
     cost: CostConf = field(default_factory=CostConf)  # the server the verdict is for; null fields come from the preset
@@ -99,14 +113,9 @@ class EvalConfig:
     init: Optional[InitConf] = None
 
     def validate(self) -> None:
-        if self.device not in DEVICES:
-            raise ConfigError(f"device={self.device!r}: expected one of {DEVICES}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
-        if not self.knobs:
-            raise ConfigError("knobs: give at least one {num_steps, topk, num_draft_tokens} setting")
-        for knob in self.knobs:  # to_schema's tree walk does not descend into lists
-            knob.validate()
+        check_choice("device", self.device, DEVICES)
+        check_choice("dtype", self.dtype, FLOAT_DTYPES)
+        check_knobs(self.knobs, "knobs")
         if self.ttt_length < 1:
             raise ConfigError(f"ttt_length={self.ttt_length}: must be >= 1")
         if self.max_sequences is not None and self.max_sequences < 1:

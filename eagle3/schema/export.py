@@ -6,26 +6,20 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from eagle3.choices import EXPORT_FORMAT_CHOICES, FLOAT_DTYPES
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
+from eagle3.schema.eval import KnobConf, check_knobs
 
 @dataclass
-class ServeConf:
-    """SGLang speculative knobs for SERVE.md when the eval report names no best setting, and the
-    launch flags that are not the drafter's business (tensor parallelism, extra arguments)."""
-    num_steps: int = 2
-    topk: int = 1
-    num_draft_tokens: int = 3
+class ServeConf(KnobConf):
+    """SGLang speculative knobs for SERVE.md when the eval report names no best setting (a KnobConf:
+    its defaults and checks), and the launch flags that are not the drafter's business (tensor
+    parallelism, extra arguments)."""
     tp: Optional[int] = None              # --tp / --tensor-parallel-size; null: 8 for kimi_k25, else omitted
     extra_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
-            raise ConfigError(f"export.serve: num_steps={self.num_steps}, topk={self.topk}, "
-                              f"num_draft_tokens={self.num_draft_tokens}: need >= 1, >= 1, >= 2")
-        if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
-            raise ConfigError(f"export.serve: a chain (topk=1) of num_steps={self.num_steps} has at most "
-                              f"{self.num_steps + 1} draft tokens, got num_draft_tokens={self.num_draft_tokens}")
+        check_knobs([self], "export.serve")
 
 
 @dataclass
@@ -53,10 +47,8 @@ class ExportConfig:
     init: Optional[InitConf] = None
 
     def validate(self) -> None:
-        if self.format not in EXPORT_FORMAT_CHOICES:
-            raise ConfigError(f"export.format={self.format!r}: expected one of {EXPORT_FORMAT_CHOICES}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"export.dtype={self.dtype!r}: expected one of {FLOAT_DTYPES}")
+        check_choice("export.format", self.format, EXPORT_FORMAT_CHOICES)
+        check_choice("export.dtype", self.dtype, FLOAT_DTYPES)
         if self.verify_sequences < 0 or self.verify_tokens < 2:
             raise ConfigError(f"verify_sequences={self.verify_sequences} must be >= 0 and "
                               f"verify_tokens={self.verify_tokens} >= 2")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from eagle3.choices import DEVICES, INITS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import PathsConf, WandbConf
 from eagle3.schema.demo import ForwardedSettings, StageOverrides, forward_settings
 from eagle3.schema.study import CurveConf
@@ -54,8 +54,7 @@ class LearningABConfig(ForwardedSettings):
             raise ConfigError(f"arms={names}: exactly two arms with distinct names of letters, digits and _")
         if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds={self.seeds}: at least two distinct seeds (an interval needs two per arm)")
-        if self.init not in INITS:
-            raise ConfigError(f"init={self.init!r}: expected one of {INITS}")
+        check_choice("init", self.init, INITS)
         if self.train_steps < self.curve.points - 1:
             raise ConfigError(f"curve.points={self.curve.points} needs train_steps >= {self.curve.points - 1}")
         if self.primary_knob not in [f"{k.num_steps}/{k.topk}/{k.num_draft_tokens}" for k in self.curve.knobs]:

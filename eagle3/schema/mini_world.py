@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from eagle3.choices import DEVICES
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf
 
 
@@ -113,8 +113,7 @@ class MiniWorldConfig:
     def validate(self) -> None:
         if self.num_threads < 0 or self.max_tokens_per_conversation < 8 or self.max_eval_tokens < 1:
             raise ConfigError("mini_world: num_threads >= 0, max_tokens_per_conversation >= 8, max_eval_tokens >= 1")
-        if self.device not in DEVICES:
-            raise ConfigError(f"mini_world: device={self.device!r}: expected one of {DEVICES}")
+        check_choice("mini_world: device", self.device, DEVICES)
 
 
 register_stage("mini_world", MiniWorldConfig)

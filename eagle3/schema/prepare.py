@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from eagle3.choices import OVERLONG_POLICIES, REGEN_BACKENDS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -47,8 +47,7 @@ class RegenerateConf:
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
     def validate(self) -> None:
-        if self.backend not in REGEN_BACKENDS:
-            raise ConfigError(f"regenerate.backend={self.backend!r}: expected one of {REGEN_BACKENDS}")
+        check_choice("regenerate.backend", self.backend, REGEN_BACKENDS)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("regenerate: temperature >= 0 and 0 < top_p <= 1 are required")
         if self.max_new_tokens < 1 or self.batch_size < 1:
@@ -76,8 +75,7 @@ class PrepareConfig:
     def validate(self) -> None:
         if self.max_length < 2:
             raise ConfigError(f"max_length={self.max_length}: must be >= 2")
-        if self.on_overlong not in OVERLONG_POLICIES:
-            raise ConfigError(f"on_overlong={self.on_overlong!r}: expected one of {OVERLONG_POLICIES}")
+        check_choice("on_overlong", self.on_overlong, OVERLONG_POLICIES)
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"validation_fraction={self.validation_fraction}: must be in [0, 1)")
 

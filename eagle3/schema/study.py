@@ -7,20 +7,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from eagle3.choices import DEVICES, INITS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import PathsConf, WandbConf
 from eagle3.schema.demo import ForwardedSettings, StageOverrides, forward_settings
-from eagle3.schema.eval import CostConf, KnobConf
-
-
-def _check_knobs(knobs: List[KnobConf], where: str) -> None:
-    if not knobs:
-        raise ConfigError(f"{where}: give at least one {{num_steps, topk, num_draft_tokens}} setting")
-    for k in knobs:  # to_schema's tree walk does not descend into lists
-        try:
-            k.validate()
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from e
+from eagle3.schema.eval import CostConf, KnobConf, check_knobs, default_knobs
 
 
 @dataclass
@@ -28,14 +18,14 @@ class CurveConf:
     """What is measured at every training-token budget (the saved checkpoints, plus the init at 0)."""
     points: int = 8                  # budgets from 0 to the full training budget, both ends included
     max_sequences: Optional[int] = None  # validation sequences replayed per point (null: all)
-    knobs: List[KnobConf] = field(default_factory=lambda: [KnobConf(2, 1, 3), KnobConf(3, 1, 4), KnobConf(3, 2, 6)])
+    knobs: List[KnobConf] = field(default_factory=default_knobs)
 
     def validate(self) -> None:
         if self.points < 2:
             raise ConfigError(f"curve.points={self.points}: at least 2 (the init and the end of training)")
         if self.max_sequences is not None and self.max_sequences < 1:
             raise ConfigError(f"curve.max_sequences={self.max_sequences}: >= 1 or null")
-        _check_knobs(self.knobs, "curve.knobs")
+        check_knobs(self.knobs, "curve.knobs")
 
 
 @dataclass
@@ -49,7 +39,7 @@ class RealCheckConf:
         if self.num_prompts < 0 or self.max_new_tokens < 2:
             raise ConfigError(f"real_check: num_prompts >= 0 and max_new_tokens >= 2 (got {self.num_prompts}, "
                               f"{self.max_new_tokens})")
-        _check_knobs(self.knobs, "real_check.knobs")
+        check_knobs(self.knobs, "real_check.knobs")
 
 
 @dataclass
@@ -121,8 +111,7 @@ class StudyConfig(ForwardedSettings):
             raise ConfigError(f"primary_knob={self.primary_knob!r} is not one of curve.knobs")
         if self.num_threads < 0:
             raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
-        if self.eval_device not in DEVICES:
-            raise ConfigError(f"eval_device={self.eval_device!r}: expected one of {DEVICES}")
+        check_choice("eval_device", self.eval_device, DEVICES)
 
 
 register_stage("study", StudyConfig)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from eagle3.choices import ATTENTION_KERNELS, COMPILE_CHOICES, NONFINITE_POLICIES, PRECISIONS, STORE_VERIFY, UNROLLS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
 
@@ -27,8 +27,7 @@ class TrainDataConf:
                               f"{self.max_tokens_per_batch}: the longest sequences would not fit a batch")
         if self.num_workers < -1 or self.bucket_window < 1:
             raise ConfigError(f"data.num_workers={self.num_workers} (>= -1) / data.bucket_window={self.bucket_window} (>= 1)")
-        if self.verify not in STORE_VERIFY:
-            raise ConfigError(f"data.verify={self.verify!r}: expected one of {STORE_VERIFY}")
+        check_choice("data.verify", self.verify, STORE_VERIFY)
 
 
 @dataclass
@@ -94,16 +93,12 @@ class TrainConfig:
             raise ConfigError("max_steps and epochs must be >= 1 when set")
         if self.grad_accum < 1 or self.log_every < 1 or self.checkpoint_every < 1 or self.val_every < 0:
             raise ConfigError("grad_accum, log_every, checkpoint_every must be >= 1; val_every >= 0")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
-        if self.unroll not in UNROLLS:
-            raise ConfigError(f"unroll={self.unroll!r}: expected one of {UNROLLS}")
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("unroll", self.unroll, UNROLLS)
         if str(self.compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile={self.compile!r}: expected one of {COMPILE_CHOICES}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ConfigError(f"attention_kernel={self.attention_kernel!r}: expected one of {ATTENTION_KERNELS}")
-        if self.on_nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {NONFINITE_POLICIES}")
+        check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
 
 
 register_stage("train", TrainConfig)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from eagle3.choices import SPLITS
-from eagle3.conf import ConfigError, register_stage
+from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf
 
 
@@ -29,8 +29,7 @@ class VocabConfig:
     def validate(self) -> None:
         if self.draft_vocab_size < 1:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size}: must be >= 1")
-        if self.split not in SPLITS:
-            raise ConfigError(f"split={self.split!r}: expected one of {SPLITS}")
+        check_choice("split", self.split, SPLITS)
         if self.chunk_tokens < 1 or self.report_top_missing < 0:
             raise ConfigError("chunk_tokens must be >= 1 and report_top_missing >= 0")
 
