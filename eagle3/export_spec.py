@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from eagle3 import aux_layers, drafter_keys, vocab_map
-from eagle3.model import DEFAULT_ROPE_THETA, config_sizes, rope_settings
+from eagle3.model import DEFAULT_ROPE_THETA, DrafterConfig, config_sizes, rope_settings
 from eagle3.choices import EXPORT_FORMAT_CHOICES, EXPORT_FORMATS
 
 FORMATS, FORMAT_CHOICES = EXPORT_FORMATS, EXPORT_FORMAT_CHOICES  # export.format's choices (eagle3/choices.py)
@@ -172,41 +172,32 @@ def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_siz
 
 # ---------------------------------------------------------------- configs
 
+# fields DrafterConfig.to_hf_dict writes that a served config carries only where its source had them
+_OPTIONAL_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
+
+
+def served_sglang_config(served: DrafterConfig, source: Mapping[str, Any]) -> dict:
+    """The SGLang `config.json` of the served drafter: `served` written by the one SGLang config writer
+    (DrafterConfig.to_hf_dict: architecture, sizes, rope, ids every SGLang version reads as its h), over the
+    source config's other keys that an engine reads with this drafter's meaning (drafter_keys; unknown and
+    harmless ones are dropped). The optional token ids and initializer_range are written only where the source
+    states them."""
+    keep = set(drafter_keys.served_keys("top")) - {"rope_parameters", "dtype"}
+    cfg = {k: v for k, v in source.items() if k in keep}
+    cfg.update({k: v for k, v in served.to_hf_dict().items() if k not in _OPTIONAL_FIELDS or k in source})
+    return cfg
+
+
 def sglang_config(drafter_cfg: Mapping[str, Any], *, vocab_size: int, max_position_embeddings: int,
                   hf_indices: Sequence[int], dtype: str) -> dict:
-    """The SGLang `config.json`: the trained drafter's own config with the serving-critical fields set from
-    the target and the capture (not from whatever the init drafter shipped with). `hf_indices`: the h the
-    drafter was trained on, written as ids every SGLang version reads as h where such ids exist."""
+    """The SGLang `config.json` for a drafter config dict (parsed once into a DrafterConfig) with the
+    serving-critical fields set from the target and the capture (not from whatever the init drafter shipped
+    with). `hf_indices`: the h the drafter was trained on."""
     drafter_keys.check_config(drafter_cfg, "sglang").raise_if_refused("checkpoint config")
-    theta, scaling = rope_settings(drafter_cfg)
-    shape = DrafterShape.from_hf_dict({**drafter_cfg, "vocab_size": vocab_size})
-    # only keys an engine reads with this drafter's meaning (drafter_keys); unknown / harmless ones are dropped
-    served = set(drafter_keys.served_keys("top")) - {"rope_parameters", "dtype"}
-    cfg = {k: v for k, v in drafter_cfg.items() if k in served}
-    cfg.update(
-        architectures=[SGLANG_ARCH],
-        model_type="llama",
-        num_hidden_layers=1,            # SGLang builds extra BasicDecoderLayers for > 1
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        hidden_act=drafter_cfg.get("hidden_act", "silu"),
-        rms_norm_eps=drafter_cfg.get("rms_norm_eps", 1e-6),
-        vocab_size=int(vocab_size),
-        draft_vocab_size=shape.draft_vocab_size,
-        target_hidden_size=shape.target_hidden_size,
-        max_position_embeddings=int(max_position_embeddings),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=False,      # True would make SGLang use the embedding as lm_head
-        attention_bias=False,
-        mlp_bias=False,
-        torch_dtype=dtype,
-        **aux_layers.sglang_config_entries(hf_indices),
-    )
-    return cfg
+    source = {**drafter_cfg, "vocab_size": vocab_size}  # an absent draft_vocab_size reads as the target's vocab
+    served = DrafterConfig.from_hf_dict(source).replace(max_position_embeddings=int(max_position_embeddings),
+                                                        aux_hf_indices=list(hf_indices), torch_dtype=dtype)
+    return served_sglang_config(served, drafter_cfg)
 
 
 def speculators_config(sglang_cfg: Mapping[str, Any], *, hf_indices: Sequence[int], verifier_path: str,

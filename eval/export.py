@@ -16,7 +16,6 @@ Layout of `out_dir`: the SGLang directory itself (`config.json`, `model.safetens
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -31,7 +30,7 @@ from eagle3.checkpoints import INDEX_FILE, index_problems
 from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
-from eagle3.model import config_sizes, rope_settings
+from eagle3.model import DrafterConfig
 from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
 from eval.export_serve import (read_serve_choice, serve_markdown, sglang_command, tensor_parallel,
@@ -51,14 +50,26 @@ class ExportError(StageError, RuntimeError):
 
 @dataclass
 class Sources:
-    """Everything the export reads, resolved once: the checkpoint's config, the target's facts,
-    the capture's hidden-state indices."""
-    drafter_cfg: dict             # the checkpoint's config.json (SGLang layout)
+    """Everything the export reads, resolved once: the checkpoint's config (parsed once, a DrafterConfig),
+    the target's facts, the capture's hidden-state indices."""
+    drafter: DrafterConfig        # the checkpoint's config.json, parsed
+    drafter_json: dict            # the same file as written (its other served keys are carried: export_spec)
     target_text_cfg: dict
     target_architectures: list[str]
     hf_indices: list[int]         # h the drafter was trained on (HF output_hidden_states; eagle3/aux_layers.py)
     store_dir: Path               # the capture split used for the round trip
     context_length: int           # max_position_embeddings the export writes
+
+    def served(self, dtype: str) -> DrafterConfig:
+        """The config the export writes: the checkpoint's, with the serving-critical fields replaced from
+        their sources (vocab and context from the target, h from the capture, the export dtype)."""
+        return self.drafter.replace(vocab_size=int(self.target_text_cfg["vocab_size"]),
+                                    max_position_embeddings=self.context_length, aux_hf_indices=list(self.hf_indices),
+                                    torch_dtype=dtype, unknown_keys=[], key_warnings=[])
+
+    @property
+    def rope(self) -> tuple[float, Optional[dict]]:
+        return self.drafter.rope_theta, self.drafter.rope_scaling
 
 
 def formats_of(fmt: str) -> list[str]:
@@ -72,7 +83,7 @@ def format_dir(out_dir: Path, fmt: str) -> Path:
 def gather_sources(config) -> Sources:
     """Read checkpoint config, target config and capture manifest; raise ExportError listing every
     inconsistency between them (ids, widths, vocab, context length, the train manifest's capture)."""
-    from eagle3.drafter_io import DrafterLoadError, inspect_drafter_dir
+    from eagle3.drafter_io import DrafterLoadError, inspect_drafter_dir, read_config_dict
     from eagle3.store import HiddenStateStore, StoreError
     from eagle3.target_io import TargetError, read_full_config, read_text_config
 
@@ -83,8 +94,8 @@ def gather_sources(config) -> Sources:
         # (its own config.json was written by this project: ids in a form current SGLang reads as the trained h)
         ckpt_cfg, _, _, problems = inspect_drafter_dir(ckpt)
         problems = [f"checkpoint: {p}" for p in problems]
-        drafter_cfg = json.loads((ckpt / "config.json").read_text())
-    except (DrafterLoadError, OSError, json.JSONDecodeError) as e:
+        drafter_json = read_config_dict(ckpt)
+    except (DrafterLoadError, OSError) as e:
         raise ExportError(f"checkpoint {ckpt} cannot be exported", [str(e)]) from e
     except Exception as e:  # safetensors' own error type: a truncated or corrupt header
         raise ExportError(f"checkpoint {ckpt} cannot be exported",
@@ -115,7 +126,7 @@ def gather_sources(config) -> Sources:
         aux_layers.validate_hf_indices(hf, int(text["num_hidden_layers"]), f"capture {store_dir} hidden states")
     except aux_layers.AuxLayerError as e:
         problems.append(str(e))
-    problems += _store_width_problems(drafter_cfg, text, store, store_dir)
+    problems += _store_width_problems(ckpt_cfg, text, store, store_dir)
     problems += _train_manifest_problems(ckpt, cap)
     problems += _checksum_problems(ckpt)
     context = int(config.max_position_embeddings or text["max_position_embeddings"])
@@ -124,20 +135,20 @@ def gather_sources(config) -> Sources:
                         f"{text['max_position_embeddings']}: SGLang would refuse or truncate long requests")
     if problems:
         raise ExportError(f"cannot export {ckpt}", problems)
-    return Sources(drafter_cfg, text, archs, hf, store_dir, context)
+    return Sources(ckpt_cfg, drafter_json, text, archs, hf, store_dir, context)
 
 
-def _store_width_problems(drafter_cfg: dict, text: dict, store, store_dir: Path) -> list[str]:
+def _store_width_problems(drafter: DrafterConfig, text: dict, store, store_dir: Path) -> list[str]:
     out = []
-    ht = config_sizes(drafter_cfg)["target_hidden_size"]
+    ht = drafter.target_hidden_size
     if store.target_hidden_size != ht:
         out.append(f"capture {store_dir} holds states of width {store.target_hidden_size}, the drafter's fc "
                    f"expects target_hidden_size={ht}")
     if store.target_hidden_size != int(text["hidden_size"]):
         out.append(f"capture {store_dir} width {store.target_hidden_size} != target hidden_size {text['hidden_size']}: "
                    f"captured from another target")
-    if int(drafter_cfg["vocab_size"]) != int(text["vocab_size"]):
-        out.append(f"checkpoint vocab_size={drafter_cfg['vocab_size']} != target vocab_size={text['vocab_size']}")
+    if drafter.vocab_size != int(text["vocab_size"]):
+        out.append(f"checkpoint vocab_size={drafter.vocab_size} != target vocab_size={text['vocab_size']}")
     return out
 
 
@@ -178,22 +189,18 @@ def _checksum_problems(ckpt: Path) -> list[str]:
     return [f"{p}; export an earlier checkpoint or retrain" for p in index_problems(ckpt)]
 
 
-def compatibility_problems(sglang_cfg: dict, src: Sources) -> tuple[list[str], list[str]]:
-    """(fatal, warnings) of the drafter <-> target compatibility check (drafter_io) run on the config
-    the export writes, i.e. after max_position_embeddings and the layer ids were set."""
+def compatibility_problems(served: DrafterConfig, src: Sources) -> tuple[list[str], list[str]]:
+    """(fatal, warnings) of the drafter <-> target compatibility check (drafter_io, the one `make check`
+    runs) on the config the export writes, i.e. after max_position_embeddings and the layer ids were set."""
     from eagle3.drafter_io import compatibility_mismatches
-    from eagle3.model import DrafterConfig
 
-    found = compatibility_mismatches(DrafterConfig.from_hf_dict(sglang_cfg), src.target_text_cfg,
-                                     hf_indices_captured=src.hf_indices)
+    found = compatibility_mismatches(served, src.target_text_cfg, hf_indices_captured=src.hf_indices)
     fatal = [f"compatibility: {m}" for m in found if m.fatal]
     return fatal, [str(m) for m in found if not m.fatal]
 
 
 def build_configs(src: Sources, config, speculative_tokens: int) -> dict[str, dict]:
-    sg = spec.sglang_config(src.drafter_cfg, vocab_size=int(src.target_text_cfg["vocab_size"]),
-                            max_position_embeddings=src.context_length, hf_indices=src.hf_indices,
-                            dtype=config.dtype)
+    sg = spec.served_sglang_config(src.served(config.dtype), src.drafter_json)
     sp = spec.speculators_config(sg, hf_indices=src.hf_indices, verifier_path=config.target.path,
                                  verifier_architectures=src.target_architectures,
                                  speculative_tokens=speculative_tokens)
@@ -243,7 +250,7 @@ def run_export(config) -> Path:
     choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
     validate_kw = dict(vocab_size=int(src.target_text_cfg["vocab_size"]), max_position_embeddings=src.context_length,
                        hf_indices=src.hf_indices, dtype=config.dtype,
-                       rope=rope_settings(src.drafter_cfg))
+                       rope=src.rope)
     fingerprints = _inputs_fingerprint(config)
     if _reusable(config, out_dir, fingerprints, validate_kw):
         print(f"export: {out_dir} is up to date with its config and inputs (revalidated from disk); reused")
@@ -251,7 +258,7 @@ def run_export(config) -> Path:
         return out_dir
 
     configs = build_configs(src, config, speculative_tokens=choice.num_steps)
-    fatal, warnings = compatibility_problems(configs["sglang"], src)
+    fatal, warnings = compatibility_problems(src.served(config.dtype), src)
     if fatal:
         raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
     for w in warnings:
@@ -273,7 +280,7 @@ def run_export(config) -> Path:
                                                                  f"{sg_versions})",
                       "vLLM eagle_aux_hidden_state_layer_ids": configs["speculators"]["eagle_aux_hidden_state_layer_ids"],
                       "max_position_embeddings": f"{src.context_length} (the checkpoint had "
-                                                 f"{src.drafter_cfg.get('max_position_embeddings')})",
+                                                 f"{src.drafter_json.get('max_position_embeddings')})",
                       "weights dtype": config.dtype,
                       "validated from disk": "every tensor name, shape and dtype; no stray names; d2t/t2d; config fields",
                       "compatibility warnings": "; ".join(warnings) or "none"})
