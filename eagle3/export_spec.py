@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from eagle3 import aux_layers, drafter_keys, vocab_map
-from eagle3.model import DEFAULT_ROPE_THETA, DrafterConfig, config_sizes, rope_settings
+from eagle3.model import DEFAULT_ROPE_THETA, DrafterConfig, DrafterShape, rope_settings  # noqa: F401  (DrafterShape: re-exported)
 from eagle3.choices import EXPORT_FORMAT_CHOICES, EXPORT_FORMATS
 
 FORMATS, FORMAT_CHOICES = EXPORT_FORMATS, EXPORT_FORMAT_CHOICES  # export.format's choices (eagle3/choices.py)
@@ -50,25 +50,6 @@ EMBED = "embed_tokens.weight"
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class DrafterShape:
-    """The sizes that fix every tensor's shape, read from an SGLang-style config dict."""
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-
-    @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "DrafterShape":
-        """The sizes as the drafter reads them (`model.config_sizes`: absent keys, missing ones); unlike
-        DrafterConfig it judges nothing else, so a checked directory's other faults are listed, not raised."""
-        return cls(**config_sizes(cfg))
 
 
 # ---------------------------------------------------------------- names

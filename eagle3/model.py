@@ -50,8 +50,10 @@ def check_aux_width(aux: torch.Tensor, fc: nn.Linear) -> None:
 
 
 @dataclass
-class DrafterConfig:
-    """The drafter's `config.json` (SGLang / SpecForge / AQ-MedAI layout) as a dataclass."""
+class DrafterShape:
+    """The sizes that fix every tensor's shape, as `config_sizes` reads them from a config.json. Judges
+    nothing else (the export checks a written directory against it and lists its other faults);
+    DrafterConfig is this plus everything the forward needs."""
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -60,6 +62,16 @@ class DrafterConfig:
     vocab_size: int
     draft_vocab_size: int
     target_hidden_size: int
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> "DrafterShape":
+        return DrafterShape(**config_sizes(d))
+
+
+@dataclass
+class DrafterConfig(DrafterShape):
+    """The drafter's `config.json` (SGLang / SpecForge / AQ-MedAI layout) as a dataclass: its shape
+    (DrafterShape's eight sizes) and the rest of what the forward and the engines read."""
     # h of the 3 target states fc reads (HF output_hidden_states indices; eagle3/aux_layers.py). config.json
     # lists ids instead (eagle_config.eagle_aux_hidden_state_layer_ids), read/written by an engine's rule.
     aux_hf_indices: Optional[list[int]] = None
@@ -148,7 +160,7 @@ def config_sizes(d: Mapping[str, Any]) -> dict[str, int]:
     """The sizes in a drafter `config.json` that fix every tensor's shape (DrafterConfig's first eight fields),
     with the engines' readings of absent keys (drafter_keys' table): num_key_value_heads = heads, head_dim =
     hidden / heads, draft_vocab_size = vocab_size (the full target vocab, as SGLang reads it), target_hidden_size
-    = hidden_size. The one parse of these keys: DrafterConfig.from_hf_dict and export_spec.DrafterShape use it.
+    = hidden_size. The one parse of these keys: DrafterShape.from_hf_dict and DrafterConfig.from_hf_dict use it.
     ValueError naming the required keys that are absent (or null)."""
     missing = [k for k in _REQUIRED_SIZES if d.get(k) is None]
     if missing:
