@@ -44,6 +44,7 @@ VOCAB_BUFFERS = ("d2t", "t2d")
 # The target's input embedding: never in the SGLang directory; in the speculators one only on request (export's
 # speculators_embed), equal to the target's, for speculators' Python API (vLLM shares the target's either way).
 EMBED = "embed_tokens.weight"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # every format's two files
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,18 @@ def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_siz
         problems.append(f"t2d has dtype {_dtype_name(t2d.dtype)}, expected bool")
     core = vocab_map.mapping_problems(d2t, t2d, draft_vocab_size, vocab_size)
     return problems + core + ([] if core else vocab_map.order_problems(d2t))
+
+
+def embed_problems(stored: torch.Tensor, target: torch.Tensor) -> list[str]:
+    """A shipped embedding must be the target's (rounded to the stored dtype), or the drafter reads other
+    token vectors than the ones it was trained with."""
+    if tuple(stored.shape) != tuple(target.shape):
+        return [f"tensor {EMBED!r} has shape {list(stored.shape)}, the target's embedding {list(target.shape)}"]
+    if not torch.equal(stored, target.to(stored.dtype)):
+        diff = (stored.double() - target.double()).abs().max().item()
+        return [f"tensor {EMBED!r} is not the target's embedding (max |diff| {diff:.3g})"]
+    return []
+
 
 
 # ---------------------------------------------------------------- configs

@@ -31,12 +31,11 @@ from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
 from eagle3.model import DrafterConfig
-from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
+from eval.export_format import FORMATS, format_dir, formats_of, get_format
+from eval.export_io import export_tensors, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
-from eval.export_serve import (read_serve_choice, serve_markdown, sglang_command, tensor_parallel,
-                               vllm_command)
+from eval.export_serve import read_serve_choice, serve_markdown, tensor_parallel
 
-SPECULATORS_SUBDIR = "speculators"
 STAGE = "export"
 
 
@@ -70,14 +69,6 @@ class Sources:
     @property
     def rope(self) -> tuple[float, Optional[dict]]:
         return self.drafter.rope_theta, self.drafter.rope_scaling
-
-
-def formats_of(fmt: str) -> list[str]:
-    return list(spec.FORMATS) if fmt == "both" else [fmt]
-
-
-def format_dir(out_dir: Path, fmt: str) -> Path:
-    return out_dir if fmt == "sglang" else out_dir / SPECULATORS_SUBDIR
 
 
 def gather_sources(config) -> Sources:
@@ -200,20 +191,16 @@ def compatibility_problems(served: DrafterConfig, src: Sources) -> tuple[list[st
 
 
 def build_configs(src: Sources, config, speculative_tokens: int) -> dict[str, dict]:
-    sg = spec.served_sglang_config(src.served(config.dtype), src.drafter_json)
-    sp = spec.speculators_config(sg, hf_indices=src.hf_indices, verifier_path=config.target.path,
-                                 verifier_architectures=src.target_architectures,
-                                 speculative_tokens=speculative_tokens)
-    return {"sglang": sg, "speculators": sp}
+    """Every format's config.json (all of them: SERVE.md and the manifest name each engine's ids)."""
+    served = src.served(config.dtype)
+    return {name: form.build_config(served, src.drafter_json, hf_indices=src.hf_indices,
+                                    verifier_path=config.target.path, verifier_architectures=src.target_architectures,
+                                    speculative_tokens=speculative_tokens) for name, form in FORMATS.items()}
 
 
 def load_exported(path: Path, fmt: str, embed_tokens: Optional[torch.Tensor] = None):
-    """An exported directory -> Eagle3Drafter (fp32), through the project's loader for SGLang."""
-    from eagle3.drafter_io import load_drafter_dir
-
-    if fmt == "sglang":
-        return load_drafter_dir(path, embed_tokens=embed_tokens, dtype=torch.float32)
-    return load_speculators_dir(path, embed_tokens=embed_tokens).float()
+    """An exported directory -> Eagle3Drafter (fp32), through the format's own loader."""
+    return get_format(fmt).load(path, embed_tokens)
 
 
 def _inputs_fingerprint(config) -> dict[str, Any]:
@@ -235,8 +222,8 @@ def _reusable(config, out_dir: Path, fingerprints: dict, validate_kw: dict) -> b
 
 
 def _ships_embed(config, fmt: str) -> bool:
-    """The speculators directory holds the target's embedding only on request (export.speculators_embed)."""
-    return bool(fmt == "speculators" and config.speculators_embed)
+    """A format that may hold the target's embedding holds it only on request (export.speculators_embed)."""
+    return bool(get_format(fmt).ships_embed and config.speculators_embed)
 
 
 def run_export(config) -> Path:
@@ -341,11 +328,10 @@ def _describe_roundtrip(stats: dict, store_dir: Path) -> str:
 
 
 def _serve_commands(config, out_dir: Path, choice) -> tuple[Optional[list[str]], Optional[list[str]]]:
-    fmts = formats_of(config.format)
+    """(SGLang's, vLLM's) launch lines of the formats written (None where a format is not)."""
     tp = tensor_parallel(config.target, config.serve.tp)
-    sg = sglang_command(config.target, out_dir, choice, tp, config.serve.extra_args) if "sglang" in fmts else None
-    vl = vllm_command(config.target, out_dir / SPECULATORS_SUBDIR, choice, tp) if "speculators" in fmts else None
-    return sg, vl
+    cmds = {f: get_format(f).serve_command(config, format_dir(out_dir, f), choice, tp) for f in formats_of(config.format)}
+    return cmds.get("sglang"), cmds.get("speculators")
 
 
 def _recover_interrupted_swap(out_dir: Path) -> None:

@@ -1,13 +1,10 @@
-"""Files of an exported drafter directory, per format: write (config.json + model.safetensors),
-validate from disk against `eagle3.export_spec`, and load back into an `Eagle3Drafter`.
-
-The SGLang format is read back with the project's own loader (`eagle3.drafter_io.load_drafter_dir`);
-the speculators format maps `layers.0.*` back to `midlayer.*` and its config back to the SGLang one.
+"""Files of an exported drafter directory, any format: write (config.json + model.safetensors) and
+validate from disk against `eagle3.export_spec`, through the format's own members (eval/export_format.py);
+each format's module loads its directory back (eval/export_sglang.py, eval/export_speculators.py).
 """
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -15,13 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3 import drafter_keys
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
 from eagle3.manifest import atomic_write_json
+from eval.export_format import get_format
 
-log = logging.getLogger(__name__)
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS = spec.CONFIG_FILE, spec.WEIGHTS_FILE
 # Files a server would also pick up as weights (SGLang/vLLM glob the top directory).
 STRAY_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -89,32 +85,24 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
     problems = [f"{p.name}: would be loaded as weights too" for p in path.iterdir()
                 if p.is_file() and p.name != WEIGHTS and p.suffix in STRAY_WEIGHT_SUFFIXES]
     draft_v = int(cfg.get("draft_vocab_size") or 0)
-    if fmt == "sglang":
-        problems += spec.sglang_config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
-                                                max_position_embeddings=max_position_embeddings,
-                                                hf_indices=hf_indices, dtype=dtype, rope=rope)
-        shape_cfg = cfg
-    else:
-        problems += spec.speculators_config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
-                                                     max_position_embeddings=max_position_embeddings,
-                                                     hf_indices=hf_indices, dtype=dtype, rope=rope)
-        shape_cfg = cfg
+    form = get_format(fmt)
+    problems += form.config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
+                                     max_position_embeddings=max_position_embeddings,
+                                     hf_indices=hf_indices, dtype=dtype, rope=rope)
     try:
-        if fmt != "sglang" and isinstance(cfg.get("transformer_layer_config"), dict):
-            shape_cfg = spec.sglang_from_speculators(cfg)  # (raises on ids no SGLang config can express)
-        shape = spec.DrafterShape.from_hf_dict(shape_cfg)
+        shape = spec.DrafterShape.from_hf_dict(form.shape_config(cfg))
     except (KeyError, TypeError, ValueError) as e:
         return [f"{cfg_path}: {e}"] + problems
     try:
         headers = read_headers(w_path)
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         return problems + [f"{w_path}: unreadable safetensors file ({e})"]
-    with_embed = fmt == "speculators" and embed_tokens is not False
+    with_embed = form.ships_embed and embed_tokens is not False
     problems += spec.tensor_problems(headers, spec.expected_tensors(shape, fmt, torch_dtype(dtype), with_embed))
     try:
         with safe_open(str(w_path), framework="pt") as f:
             if with_embed and isinstance(embed_tokens, torch.Tensor) and spec.EMBED in headers:
-                problems += embed_problems(f.get_tensor(spec.EMBED), embed_tokens)
+                problems += spec.embed_problems(f.get_tensor(spec.EMBED), embed_tokens)
             if "d2t" in headers and "t2d" in headers:
                 problems += spec.vocab_mapping_problems(f.get_tensor("d2t"), f.get_tensor("t2d"),
                                                         shape.draft_vocab_size, shape.vocab_size)
@@ -123,52 +111,3 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
     except Exception as e:
         problems.append(f"{w_path}: cannot read tensor data ({e}); truncated or corrupt file")
     return [f"{fmt}: {p}" for p in problems]
-
-
-def embed_problems(stored: torch.Tensor, target: torch.Tensor) -> list[str]:
-    """A shipped embedding must be the target's (rounded to the stored dtype), or the drafter reads other
-    token vectors than the ones it was trained with."""
-    if tuple(stored.shape) != tuple(target.shape):
-        return [f"tensor {spec.EMBED!r} has shape {list(stored.shape)}, the target's embedding {list(target.shape)}"]
-    if not torch.equal(stored, target.to(stored.dtype)):
-        diff = (stored.double() - target.double()).abs().max().item()
-        return [f"tensor {spec.EMBED!r} is not the target's embedding (max |diff| {diff:.3g})"]
-    return []
-
-
-def load_speculators_dir(path: Path, embed_tokens: Optional[torch.Tensor] = None):
-    """A speculators directory -> Eagle3Drafter (names mapped back, strict: every tensor must match; a shipped
-    `embed_tokens.weight` is used, and must equal `embed_tokens` when both are there). Config keys no engine
-    reads are reported (console, `model.load_report`)."""
-    from eagle3.model import DrafterConfig, Eagle3Drafter
-
-    path = Path(path)
-    cfg = json.loads((path / CONFIG).read_text())
-    dcfg = DrafterConfig.from_hf_dict(spec.sglang_from_speculators(cfg))
-    unknown = drafter_keys.check_config(cfg, "speculators").unknown
-    if unknown:
-        log.warning("speculators drafter %s: config keys no known engine reads, ignored: %s", path, unknown)
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        state = {n: f.get_tensor(n) for n in f.keys()}
-    # names and shapes must match exactly; dtypes are whatever the export used (all load as fp32)
-    expected = spec.expected_tensors(spec.DrafterShape.from_hf_dict(dcfg.to_hf_dict()), "speculators",
-                                     embed=spec.EMBED in state)
-    expected = {n: spec.TensorSpec(s.shape, state[n].dtype if n in state else s.dtype) for n, s in expected.items()}
-    problems = spec.tensor_problems(state, expected)
-    if spec.EMBED in state and embed_tokens is not None:
-        problems += embed_problems(state[spec.EMBED], embed_tokens)
-    if problems:
-        raise ValueError(f"{path}: not a loadable speculators drafter: " + "; ".join(problems))
-    shipped = state.pop(spec.EMBED, None)
-    model = Eagle3Drafter(dcfg)
-    missing, unexpected = model.load_state_dict({spec.from_format_name(n, "speculators"): t for n, t in state.items()},
-                                                strict=False)
-    if set(missing) != {spec.EMBED} or unexpected:
-        raise ValueError(f"{path}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})")
-    embed = embed_tokens if embed_tokens is not None else shipped
-    if embed is not None:
-        model.set_embeddings(embed.to(model.embed_tokens.weight.dtype))
-    model.load_report = {"dir": str(path), "embed_tokens": "target" if embed_tokens is not None else
-                         "from the directory" if shipped is not None else "NOT LOADED: random init",
-                         **({"unknown_config_keys": unknown} if unknown else {})}
-    return model

@@ -11,7 +11,7 @@ from eagle3.drafter_io import load_drafter_dir
 from eagle3.schema.export import ExportConfig
 from eagle3.target_io import load_embed_tokens
 from eval.export import ExportError, run_export
-from eval.export_io import load_speculators_dir
+from eval.export_speculators import load_speculators_dir
 from eval.export_roundtrip import drafter_logits, round_weights_, validation_batches
 from tests.fixtures.export_world import build_world, tiny_drafter
 

@@ -1,6 +1,7 @@
 """Validation of a written export directory from disk, for both formats: a good directory passes, each
 deliberate breakage is named; the speculators loader maps names back strictly."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
-from eval.export_io import export_tensors, load_speculators_dir, validate_format_dir, write_format_dir
+from eval.export_io import export_tensors, validate_format_dir, write_format_dir
+from eval.export_speculators import load_speculators_dir
 from tests.fixtures.export_world import AUX_IDS, HF_INDICES, tiny_drafter
 
 V, CTX = 512, 4096
@@ -143,3 +145,16 @@ def test_speculators_loader_maps_back_exactly_and_strictly(tmp_path):
     tamper(d, lambda t: t.__setitem__("layers.0.extra.weight", torch.zeros(2)))
     with pytest.raises(ValueError, match="unexpected tensor 'layers.0.extra.weight'"):  # the name in the file
         load_speculators_dir(d)
+
+
+def test_the_format_table_is_the_config_choice_list():
+    """export.format's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree:
+    a format added to one and not the other fails here."""
+    from eagle3.choices import EXPORT_FORMATS
+    from eval.export_format import FORMATS, format_dir, formats_of
+
+    assert tuple(FORMATS) == EXPORT_FORMATS
+    assert formats_of("both") == list(EXPORT_FORMATS) and formats_of("speculators") == ["speculators"]
+    assert format_dir(Path("/x"), "sglang") == Path("/x") and format_dir(Path("/x"), "speculators") == Path("/x/speculators")
+    with pytest.raises(ValueError, match="export format 'onnx'"):
+        formats_of("onnx")
