@@ -3,9 +3,9 @@
 A random-weight DeepSeek-V3-shaped causal LM (hidden 7168, MLA, MoE like Kimi-K2.5, but only a
 few layers and fewer routed experts so it fits one GPU) runs three ways over the same batches:
   bare     model(input_ids, attention_mask): the target's plain forward, full logits
-  capture  data.capture.capture_batch: hooks on 3 layers + final norm, chunked lm_head argmax,
+  capture  data.capture_hf.capture_batch: hooks on 3 layers + final norm, chunked lm_head argmax,
            finiteness check, states cast to the store dtype (left on the device)
-  store    data.capture.capture_split end to end: capture + HiddenStateWriter (async device->host
+  store    data.capture_hf.capture_split end to end: capture + HiddenStateWriter (async device->host
            copies into pinned shard buffers on a side stream; a background thread hashes and
            writes each shard) into a real store on local disk
 and reports tokens/s of each, the overhead of capture and store over bare, and bytes stored per
@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from data.capture import Seq, capture_batch, capture_split, Dist  # noqa: E402
+from data.capture import Dist  # noqa: E402
+from data.capture_hf import capture_batch, capture_split  # noqa: E402
+from data.capture_plan import Seq  # noqa: E402
 from eagle3 import aux_layers, target_io  # noqa: E402
 from eagle3.dtypes import torch_dtype  # noqa: E402
 from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402

@@ -3,7 +3,7 @@ real path: a checkpoint written in the release format (eagle3/release_format.py:
 layers >= 1 INT4 pack-quantized by compressed-tensors, group 32; bf16 elsewhere; the release's
 names and quantization_config) with random weights, loaded by `eagle3.target_io.load_target`
 (transformers + compressed-tensors, as `target=kimi_k25` does), then captured batch by batch by the
-capture stage's own `data.capture.capture_batch` (hooks, post-norm state, chunked argmax).
+capture stage's own `data.capture_hf.capture_batch` (hooks, post-norm state, chunked argmax).
 
 K2.5's text dims (hidden 7168, MLA q/kv ranks 1536/512, 64 heads, 384 routed experts of 2048 with 8
 active, 1 shared expert, vocab 163840) with only `--layers` decoder layers: layer 0 dense as in the
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.bench_capture import k25_shaped_config  # noqa: E402
-from data.capture import capture_batch  # noqa: E402
+from data.capture_hf import capture_batch  # noqa: E402
 from eagle3 import release_format, target_io  # noqa: E402
 
 K25_LAYERS, K25_DENSE = 61, 1

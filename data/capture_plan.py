@@ -1,5 +1,5 @@
 """What a capture run captures, in which batches: the sequence plan of a split and its batching,
-shared by both capture backends (data/capture.py runs the target itself, data/capture_vllm.py drives a
+shared by both capture backends (data/capture_hf.py runs the target itself, data/capture_vllm.py drives a
 vLLM engine), and the stage's error.
 
 Batching is global and deterministic: the sequences of a split are sorted by length (longest

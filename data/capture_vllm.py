@@ -320,3 +320,28 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
               f"hold the lock): left in {setup.storage_dir} for the next run's clean-up")
     return {"left_for_sweep": len(deferred), "batches": len(batches), "batches_run": len(todo), "tokens_run": total,
             "seconds": round(time.time() - start, 3), "non_finite_this_run": non_finite, **stats}
+
+
+class VllmBackend:
+    """capture.backend=vllm as a `CaptureBackend` (data/capture_backends.py): set up and checked before any
+    work (one process, the package or the server), then one engine and the checkpoint's teacher head."""
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self.setup: VllmSetup | None = None
+        self.engine = self.teacher = None
+
+    def check(self, cfg, hf_indices: list[int], num_layers: int, max_len: int, dist) -> None:
+        self.setup = setup_for(cfg, hf_indices, num_layers, max_len)
+        check_engine(cfg, self.setup, dist)
+
+    def open(self, cfg, text_cfg: dict, max_len: int, dist) -> None:
+        self.engine, self.teacher = open_engine(cfg, self.setup, max_len), Teacher(cfg, text_cfg)
+
+    def capture_split(self, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf_indices: list[int], dist,
+                      desc: str, image_token_id: int | None = None) -> dict:
+        return capture_split(self.engine, self.teacher, ds, seqs, writer, cfg, self.setup, desc)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

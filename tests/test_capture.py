@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import data.capture as capture_mod
-from data.capture import CaptureError, Dist, make_batches, plan_split, run_capture
+from data.capture import CaptureError, Dist, plan_split, run_capture
+from data.capture_plan import make_batches
 from eagle3 import target_io
 from eagle3.conf import ConfigError, compose, to_schema
 from eagle3.schema.capture import CaptureConfig
@@ -249,7 +250,7 @@ def test_non_finite_sequence_is_skipped_and_counted_by_id(tmp_path, targets, pre
 
 
 def test_batches_respect_the_token_budget():
-    from data.capture import Seq
+    from data.capture_plan import Seq
 
     seqs = [Seq(i, f"s{i}", T, i) for i, T in enumerate([9, 7, 7, 4, 3, 3, 1])]
     batches = make_batches(seqs, 14)
@@ -449,3 +450,14 @@ def test_states_no_sglang_id_list_means_in_every_version_export_with_the_version
     assert aux_layers.hf_indices_from_ids([3, 31, 59], "sglang") == [3, 31, 59]
     assert sg[aux_layers.META_KEY]["sglang_versions"] == aux_layers.SGLANG_RULE_CHANGE
     assert f"mean h = [3, 31, 59] in {aux_layers.SGLANG_RULE_CHANGE}" in (exported / "SERVE.md").read_text()
+
+
+def test_the_backend_table_is_the_config_choice_list():
+    """capture.backend's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree."""
+    from data.capture_backends import BACKENDS, backend_for
+    from eagle3.choices import CAPTURE_BACKENDS
+
+    assert tuple(BACKENDS) == CAPTURE_BACKENDS
+    assert backend_for("hf").name == "hf" and backend_for("vllm").name == "vllm"
+    with pytest.raises(ValueError, match="capture backend 'onnx'"):
+        backend_for("onnx")
