@@ -133,7 +133,7 @@ def _think_ids(cfg) -> list[int]:
 
 def compare_and_search(cfg: BenchServeConfig, servers: list, measured: dict, prompts, probes, report: dict) -> None:
     from eval.serve_compare import compare_server, gap_causes
-    from eval.study import knob_grid
+    from eagle3.knob_grid import knob_grid
 
     replay, drafter = _load_replay(cfg)
     report["compare"] = {}

@@ -34,7 +34,8 @@ from eagle3.model import DrafterConfig
 from eval.export_format import FORMATS, format_dir, formats_of, get_format
 from eval.export_io import export_tensors, validate_format_dir, write_format_dir
 from eval.export_roundtrip import RoundTripReference, validation_batches
-from eval.export_serve import read_serve_choice, serve_markdown, tensor_parallel
+from eagle3.serve_launch import tensor_parallel
+from eval.export_serve import read_serve_choice, serve_markdown
 
 STAGE = "export"
 

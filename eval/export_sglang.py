@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from eagle3 import export_spec as spec
-from eval.export_serve import sglang_command
+from eagle3.serve_launch import sglang_command
 
 
 class SGLang:

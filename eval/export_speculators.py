@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from eagle3 import drafter_keys
 from eagle3 import export_spec as spec
-from eval.export_serve import vllm_command
+from eagle3.serve_launch import vllm_command
 
 log = logging.getLogger(__name__)
 SUBDIR = "speculators"

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from eagle3 import serve_protocol as sp
 from eagle3.errors import StageError
 from eval import serve_client as client
-from eval.export_serve import ServeChoice, sglang_command, tensor_parallel, vllm_command
+from eagle3.serve_launch import ServeChoice, sglang_command, tensor_parallel, vllm_command
 
 
 class BenchServeError(StageError):

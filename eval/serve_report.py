@@ -80,7 +80,7 @@ def measured_latencies(fit: CostFit, baseline_token_ms: float, source: str) -> L
 
 def knob_search(taus: dict, knobs: list, lat: Latencies, measured: dict) -> dict:
     """Every replayed setting priced by the measured costs; the best; measured speed-up where served."""
-    from eval.study_report import knob_table
+    from eagle3.knob_grid import knob_table
 
     table = knob_table(taus, knobs, lat)
     for label, e in table.items():

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from eagle3.accept_sim import SpecKnobs
+from eagle3.knob_grid import knob_grid
 from eagle3.conf import as_plain_dict, compose, to_schema
 from eagle3.manifest import atomic_write_json, sha256_file
 from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
@@ -35,21 +36,6 @@ from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, mach
 
 def knobs_of(confs) -> list[SpecKnobs]:
     return [SpecKnobs(k.num_steps, k.topk, k.num_draft_tokens) for k in confs]
-
-
-def knob_grid(grid) -> list[SpecKnobs]:
-    """Chains s/1/s+1 for every s, trees s/k/n for every valid combination with k > 1 (SpecKnobs
-    refuses a draft-token count the tree cannot hold), in a stable order without repeats."""
-    out: list[SpecKnobs] = []
-    for s in grid.num_steps:
-        out.append(SpecKnobs(s, 1, s + 1))
-        for k in (k for k in grid.topk if k > 1):
-            for n in grid.num_draft_tokens:
-                try:
-                    out.append(SpecKnobs(s, k, n))
-                except ValueError:
-                    continue
-    return list(dict.fromkeys(out))
 
 
 def checkpoint_every(train_steps: int, points: int) -> int:

@@ -12,7 +12,7 @@ from typing import Optional
 
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError
-from eagle3.cost_model import predict
+from eagle3.knob_grid import knob_table
 from eagle3.cost_presets import resolve_preset
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
 from eval.study_stats import mean_std, token_saving, world_difference, world_spread
@@ -190,19 +190,6 @@ def forgetting(groups: dict[str, list[dict]], primary: str) -> list[dict]:
     return rows
 
 
-def knob_table(taus: dict[str, float], knobs: list[SpecKnobs], lat) -> dict[str, dict]:
-    """{label: {knobs, accept_length, speedup, spec_tok_s, break_even_accept_length}} from the cost model."""
-    out = {}
-    for k in knobs:
-        tau = taus.get(k.label, float("nan"))
-        if tau == tau and tau >= 1.0:
-            p = predict(tau, lat, k.num_steps, k.num_draft_tokens)
-            out[k.label] = {"num_steps": k.num_steps, "topk": k.topk, "num_draft_tokens": k.num_draft_tokens,
-                            "accept_length": tau, "speedup": p.speedup, "spec_tok_s": p.spec_tok_s,
-                            "break_even_accept_length": p.break_even_accept_length, "cycle_ms": p.cycle_ms}
-    return out
-
-
 def ngram_group(out_dir: Path, worlds: list[int]) -> dict[str, list[dict]]:
     """The n-gram baseline's grid, one run per world (`[world<k>-]ngram.json`), as a group for
     knob_search ({} when it was not measured)."""
@@ -247,7 +234,7 @@ def recommendation(knobs: dict[str, dict], cfg) -> dict:
     """The drafter and setting with the highest mean predicted speed-up, and the SGLang command for the
     real models (paths from the export / target configs)."""
     from eagle3.conf import compose
-    from eval.export_serve import ServeChoice, sglang_command, shell, tensor_parallel
+    from eagle3.serve_launch import ServeChoice, sglang_command, shell, tensor_parallel
 
     trained = {k: v for k, v in knobs.items() if k not in (ZERO_SHOT, NGRAM)}
     if not trained:

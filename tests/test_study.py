@@ -13,7 +13,8 @@ from eagle3.schema.study import StudyConfig
 
 
 def test_knob_grid_and_budgets():
-    from eval.study import checkpoint_every, knob_grid
+    from eagle3.knob_grid import knob_grid
+    from eval.study import checkpoint_every
 
     cfg = to_schema(compose("study", ["demo_size=ci"]), StudyConfig)
     labels = [k.label for k in knob_grid(cfg.knob_grid)]
