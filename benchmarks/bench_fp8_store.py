@@ -53,7 +53,7 @@ KNOBS = ("2/1/3", "3/1/4")
 
 
 def run_stage(stage: str, overrides: list[str], log: list) -> Path:
-    from eval.demo import StageLog
+    from pipeline.demo import StageLog
 
     sl = StageLog()
     out = sl.run(stage, stage, overrides)

@@ -1,5 +1,5 @@
 """A train stage's checkpoint directory, as every stage reads it: `checkpoints/step-NNNNNN/` holds a
-drafter directory (the shared layout, loadable by eval/export), `training_state.pt` (optimizer,
+drafter directory (the shared layout, loadable by the export stage, export/), `training_state.pt` (optimizer,
 scheduler, RNG, data position, counters) and `checkpoint.json` (size and sha256 of each file).
 
 The format's one home: train/checkpoint.py writes checkpoints atomically and resumes from them; the

@@ -4,7 +4,7 @@ A *world* is what every later number depends on besides training seeds: the targ
 the prepared token ids (tokenizer, regenerated corpus, chat template and masks included). Its
 *fingerprint* is {"target": <weights hash>, "data": <token-id hash>}; prepare writes it, every later
 stage copies it from its inputs' manifests (`world_of_inputs`, called by `write_manifest`), and the
-study refuses to pool records whose worlds differ (eval/study_report.py).
+study refuses to pool records whose worlds differ (pipeline/study_report.py).
 
 Deterministic builds: `deterministic_algorithms()` turns on torch's deterministic algorithms for a
 block (warn-only: an op with no deterministic kernel still runs) and records every op that warned,

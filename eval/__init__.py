@@ -1,1 +1,1 @@
-"""The eval stage (accuracy, simulated and real accept length, cost model, plots) and the export stage."""
+"""The eval stage (accuracy, simulated and real accept length, cost model, plots) and bench-serve (live servers measured)."""

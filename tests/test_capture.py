@@ -389,7 +389,7 @@ def test_kimi_ids_capture_h_2_30_58_and_export_as_1_29_57(tmp_path, target_61, p
     from eagle3 import aux_layers
     from eagle3.drafter_io import save_drafter_dir
     from eagle3.init_drafter import build_training_drafter
-    from eval.export import run_export
+    from export.stage import run_export
 
     from tests.faults.fault_helpers import export_config
 
@@ -433,7 +433,7 @@ def test_states_no_sglang_id_list_means_in_every_version_export_with_the_version
     from eagle3 import aux_layers
     from eagle3.drafter_io import save_drafter_dir
     from eagle3.init_drafter import build_training_drafter
-    from eval.export import run_export
+    from export.stage import run_export
 
     from tests.faults.fault_helpers import export_config
 

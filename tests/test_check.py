@@ -1,4 +1,4 @@
-"""`make check` (train/run_check.py): a matching drafter/target pair passes; a deliberately broken
+"""`make check` (export/run_check.py): a matching drafter/target pair passes; a deliberately broken
 drafter gets each mismatch named, and the command exits non-zero."""
 import json
 import subprocess
@@ -14,7 +14,7 @@ from eagle3.drafter_io import save_drafter_dir
 from eagle3.manifest import write_manifest
 from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.schema.check import CheckConfig
-from train.run_check import run_check
+from export.run_check import run_check
 
 TEXT = {"model_type": "deepseek_v3", "hidden_size": 16, "num_hidden_layers": 6, "vocab_size": 80,
         "max_position_embeddings": 512, "num_attention_heads": 2, "intermediate_size": 32}
@@ -112,7 +112,7 @@ def test_warnings_only_pass_unless_strict(tmp_path):
 def test_cli_exit_codes(tmp_path):
     fake_target(tmp_path / "target")
     good, bad = drafter_dir(tmp_path / "good"), drafter_dir(tmp_path / "bad", hidden_size=32, intermediate_size=24)
-    cmd = [sys.executable, str(REPO_ROOT / "train" / "run_check.py"), f"paths.root={tmp_path}",
+    cmd = [sys.executable, str(REPO_ROOT / "export" / "run_check.py"), f"paths.root={tmp_path}",
            f"target.path={tmp_path / 'target'}"]
     ok = subprocess.run(cmd + [f"drafter_dir={good}"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

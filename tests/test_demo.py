@@ -12,7 +12,7 @@ from eagle3.schema.demo import DemoConfig
 
 @pytest.mark.slow
 def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
-    from eval.demo import run_demo
+    from pipeline.demo import run_demo
 
     cfg = to_schema(compose("demo", [f"paths.root={tmp_path}", "demo_size=ci"]), DemoConfig)
     out = run_demo(cfg)
@@ -47,7 +47,7 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
 
 
 def test_pick_best_prefers_the_real_loop_and_breaks_ties_by_accuracy():
-    from eval.demo import pick_best
+    from pipeline.demo import pick_best
 
     def rep(sim, real, acc):
         return {"accept": {"2/1/3": {"drafter": {"accept_length": sim}}},
@@ -64,7 +64,7 @@ def test_pick_best_prefers_the_real_loop_and_breaks_ties_by_accuracy():
 def test_stale_training_checkpoints_are_dropped_once_and_other_errors_kept(tmp_path):
     from types import SimpleNamespace
 
-    from eval.demo import run_restarting_stale_training
+    from pipeline.demo import run_restarting_stale_training
     from eagle3.checkpoints import CheckpointError
 
     out = tmp_path / "train-scratch"

@@ -13,7 +13,7 @@ from eagle3.drafter_io import load_drafter_dir
 from eagle3.model import DrafterConfig
 from tests.fixtures.drafter_corpus import CORPUS_DIR, check_config, corpus_config, corpus_names, drafter_dir
 from tests.fixtures.specforge_drafter import SF_CONFIG, tiny_weights
-from train.run_check import run_check
+from export.run_check import run_check
 
 DIRECTORY_FIX = "point at a drafter directory"
 MLA = ("architectures", "ERROR", ["is an MLA EAGLE-3 drafter", "SGLang 0.5.14 models/kimi_k25_eagle3.py",

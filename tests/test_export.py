@@ -10,9 +10,9 @@ from eagle3.conf import compose, to_schema
 from eagle3.drafter_io import load_drafter_dir
 from eagle3.schema.export import ExportConfig
 from eagle3.target_io import load_embed_tokens
-from eval.export import ExportError, run_export
-from eval.export_speculators import load_speculators_dir
-from eval.export_roundtrip import drafter_logits, round_weights_, validation_batches
+from export.stage import ExportError, run_export
+from export.format_speculators import load_speculators_dir
+from export.roundtrip import drafter_logits, round_weights_, validation_batches
 from tests.fixtures.export_world import build_world, tiny_drafter
 
 
@@ -191,7 +191,7 @@ def test_capture_with_other_layer_ids_is_refused(world, tmp_path):
 def test_failure_after_writing_keeps_the_previous_export(world, tmp_path, monkeypatch):
     out = run_export(export_config(world, f"out_dir={tmp_path / 'e'}", "format=sglang"))
     before = (out / "model.safetensors").read_bytes()
-    import eval.export as export_mod
+    import export.stage as export_mod
 
     monkeypatch.setattr(export_mod, "validate_format_dir", lambda *a, **k: ["sglang: injected failure"])
     with pytest.raises(ExportError, match="injected failure"):

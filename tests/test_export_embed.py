@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3 import export_spec as spec
-from eval.export_io import export_tensors, validate_format_dir, write_format_dir
-from eval.export_speculators import load_speculators_dir
-from eval.export_serve import speculators_embed_note
+from export.directory import export_tensors, validate_format_dir, write_format_dir
+from export.format_speculators import load_speculators_dir
+from export.serving import speculators_embed_note
 from tests.fixtures.specforge_drafter import SF_CONFIG, H, V, tiny_weights
 
 HF = [2, 3, 4]

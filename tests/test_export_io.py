@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
-from eval.export_io import export_tensors, validate_format_dir, write_format_dir
-from eval.export_speculators import load_speculators_dir
+from export.directory import export_tensors, validate_format_dir, write_format_dir
+from export.format_speculators import load_speculators_dir
 from tests.fixtures.export_world import AUX_IDS, HF_INDICES, tiny_drafter
 
 V, CTX = 512, 4096
@@ -151,7 +151,7 @@ def test_the_format_table_is_the_config_choice_list():
     """export.format's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree:
     a format added to one and not the other fails here."""
     from eagle3.choices import EXPORT_FORMATS
-    from eval.export_format import FORMATS, format_dir, formats_of
+    from export.formats import FORMATS, format_dir, formats_of
 
     assert tuple(FORMATS) == EXPORT_FORMATS
     assert formats_of("both") == list(EXPORT_FORMATS) and formats_of("speculators") == ["speculators"]

@@ -7,7 +7,7 @@ import pytest
 
 from eagle3.schema.export import ServeConf
 from eagle3.serve_launch import ServeChoice, shell, sglang_command, tensor_parallel, vllm_command
-from eval.export_serve import choice_from_report, read_serve_choice, serve_markdown
+from export.serving import choice_from_report, read_serve_choice, serve_markdown
 
 K25 = SimpleNamespace(name="kimi_k25", path="/models/Kimi-K2.5", layout="kimi_k25", trust_remote_code=True)
 MINI = SimpleNamespace(name="k25_mini", path="/runs/mini_world/k25-mini", layout="kimi_k25", trust_remote_code=False)

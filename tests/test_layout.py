@@ -1,16 +1,16 @@
 """The module layout of ARCHITECTURE.md, checked on the source: every import statement of every
 project module (ast, including imports inside functions), resolved to the project's own modules.
 
-  * a stage folder (data/, train/, eval/) imports no module of another stage folder: shared code
-    lives in eagle3/, and an orchestrator (the demo, the study) reaches another folder's stage
-    through the registry eagle3/stages.py;
-  * stage modules import nothing by name at run time (importlib.import_module / __import__): only
-    eagle3 resolves modules by name (the registry, the schema lookup), so the ast walk sees every
-    dependency of a stage;
-  * eagle3/ imports no stage folder, nor tests/ or benchmarks/;
+  * a stage folder (data/, train/, eval/, export/) imports no module of another stage folder, nor of
+    pipeline/: shared code lives in eagle3/;
+  * pipeline/ (the demo, the study, the learning A/B) is the one folder that imports several stage
+    folders, directly (their run functions); nothing but pipeline/, tests/ and benchmarks/ imports it;
+  * stage and pipeline modules import nothing by name at run time (importlib.import_module / __import__):
+    only eagle3 resolves modules by name (the schema lookup), so the ast walk sees every dependency;
+  * eagle3/ imports no stage folder, nor pipeline/, tests/ or benchmarks/;
   * no import cycle among the project's modules;
   * tests take shared helpers from tests/fixtures/, never from another test module or a conftest;
-  * the registry's entries resolve, and eagle3's schemas and pure modules import without torch.
+  * eagle3's schemas and pure modules import without torch.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from pathlib import Path
 
 from eagle3 import REPO_ROOT
 
-STAGE_FOLDERS = ("data", "train", "eval")
-PROJECT_FOLDERS = ("eagle3",) + STAGE_FOLDERS + ("benchmarks", "tests")
+STAGE_FOLDERS = ("data", "train", "eval", "export")
+PIPELINE = "pipeline"  # the one folder that runs several stages
+PROJECT_FOLDERS = ("eagle3",) + STAGE_FOLDERS + (PIPELINE, "benchmarks", "tests")
 # eagle3 modules that import without torch today (light tools and the GPU image read them); the
 # schemas (every eagle3/schema/*.py) are added below.
 TORCH_FREE = ("eagle3", "eagle3.aux_layers", "eagle3.choices", "eagle3.conf", "eagle3.cost_model",
               "eagle3.cpu_threads", "eagle3.drafter_keys", "eagle3.errors", "eagle3.hooks", "eagle3.manifest",
-              "eagle3.stages", "eagle3.replay", "eagle3.real_loop", "eagle3.images", "eagle3.media_tokens")
+              "eagle3.serve_launch", "eagle3.replay", "eagle3.real_loop", "eagle3.images", "eagle3.media_tokens")
 
 
 def module_name(path: Path) -> str:
@@ -93,7 +94,7 @@ def folder(module: str) -> str:
 def test_every_project_module_parses():
     """The walk below reads every module; one that does not parse would hide its imports."""
     mods = project_modules()
-    assert {"eagle3.stages", "eval.stage", "train.loop", "data.capture", "tests.test_layout"} <= set(mods)
+    assert {"pipeline.demo", "export.stage", "eval.stage", "train.loop", "data.capture", "tests.test_layout"} <= set(mods)
     for module in mods:
         imports_of(module)
 
@@ -102,13 +103,26 @@ def stage_crossings() -> list[str]:
     return [f"{module} imports {target} (line {line})"
             for module in project_modules() if folder(module) in STAGE_FOLDERS
             for target, line in imports_of(module)
-            if folder(target) in STAGE_FOLDERS and folder(target) != folder(module)]
+            if folder(target) in STAGE_FOLDERS + (PIPELINE,) and folder(target) != folder(module)]
 
 
 def test_no_stage_folder_imports_another():
     bad = stage_crossings()
-    assert not bad, "a stage folder imports another stage's module (move shared code to eagle3/, or run the " \
-                    "stage through eagle3/stages.py):\n" + "\n".join(bad)
+    assert not bad, "a stage folder imports another stage's module or pipeline/ (move shared code to eagle3/, " \
+                    "or run the stages from pipeline/):\n" + "\n".join(bad)
+
+
+def test_only_pipeline_tests_and_benchmarks_import_pipeline():
+    bad = [f"{module} imports {target} (line {line})" for module in project_modules()
+           if folder(module) not in (PIPELINE, "tests", "benchmarks")
+           for target, line in imports_of(module) if folder(target) == PIPELINE]
+    assert not bad, "pipeline/ runs the stages; nothing below it may import it:\n" + "\n".join(bad)
+
+
+def test_pipeline_imports_the_stages_it_runs_directly():
+    """The orchestrators reach every stage folder through plain imports (no registry by name)."""
+    reached = {folder(t) for m in project_modules() if folder(m) == PIPELINE for t, _ in imports_of(m)}
+    assert set(STAGE_FOLDERS) <= reached, sorted(set(STAGE_FOLDERS) - reached)
 
 
 def test_the_walk_sees_an_import_inside_a_function(tmp_path, monkeypatch):
@@ -126,7 +140,7 @@ def test_the_walk_sees_an_import_inside_a_function(tmp_path, monkeypatch):
 def test_stage_modules_import_nothing_by_name_at_run_time():
     bad = []
     for module, path in project_modules().items():
-        if folder(module) not in STAGE_FOLDERS:
+        if folder(module) not in STAGE_FOLDERS + (PIPELINE,):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
@@ -134,7 +148,7 @@ def test_stage_modules_import_nothing_by_name_at_run_time():
                 called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
                 if called in ("import_module", "__import__"):
                     bad.append(f"{module} line {node.lineno}: {called}(...)")
-    assert not bad, "stage modules resolve modules by name only through eagle3/stages.py:\n" + "\n".join(bad)
+    assert not bad, "stage and pipeline modules import what they use by name, not at run time:\n" + "\n".join(bad)
 
 
 def test_core_package_imports_no_stage_tests_or_benchmarks():
@@ -207,15 +221,6 @@ def test_tests_take_helpers_from_fixtures_not_from_test_modules():
            for target, line in imports_of(module)
            if target.rpartition(".")[2].startswith("test_") or target.rpartition(".")[2] == "conftest"]
     assert not bad, "shared test helpers belong in tests/fixtures/ (fixtures imported from there):\n" + "\n".join(bad)
-
-
-def test_registry_entries_resolve_to_stage_functions():
-    from eagle3.stages import ENTRY_POINTS, entry_point
-
-    for name, target in ENTRY_POINTS.items():
-        assert folder(target) in STAGE_FOLDERS and target.split(":")[0] in project_modules(), (name, target)
-        assert callable(entry_point(name)), name
-    assert entry_point("train").__name__ == "run_train"
 
 
 def test_schemas_and_pure_core_modules_import_without_torch():

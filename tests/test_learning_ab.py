@@ -1,4 +1,4 @@
-"""The learning-quality A/B (eval/learning_ab.py) through the train stage on the tiny toy world of
+"""The learning-quality A/B (pipeline/learning_ab.py) through the train stage on the tiny toy world of
 the train tests: two arms (the fast unroll vs the reference, both on the CPU here) x two seeds,
 every budget evaluated by the eval stage's replay, the report's curves, interval and verdict; and
 the verdict rule on hand-made records."""
@@ -29,7 +29,7 @@ def _rec(arm, seed, finals):
 
 
 def test_verdict_rule_on_hand_made_curves():
-    from eval.learning_ab import ab_summary
+    from pipeline.learning_ab import ab_summary
 
     same = {"a": [_rec("a", 0, [(0.1, 1.0), (0.5, 2.00)]), _rec("a", 1, [(0.1, 1.0), (0.5, 2.02)])],
             "b": [_rec("b", 0, [(0.1, 1.0), (0.5, 2.01)]), _rec("b", 1, [(0.1, 1.0), (0.5, 2.03)])]}
@@ -44,8 +44,8 @@ def test_verdict_rule_on_hand_made_curves():
 
 @pytest.mark.slow
 def test_learning_ab_end_to_end_on_the_toy_world(tmp_path, tiny_k25_target, tiny_k2_target):
-    from eval.demo import Experiment, StageLog
-    from eval.learning_ab import RECORDS, load_ab_records, measure_arms, run_learning_ab, write_ab_report
+    from pipeline.demo import Experiment, StageLog
+    from pipeline.learning_ab import RECORDS, load_ab_records, measure_arms, run_learning_ab, write_ab_report
     from tests.fixtures.train_world import TOY_TRAIN, write_world
 
     root = tmp_path / "root"

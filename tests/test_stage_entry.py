@@ -25,11 +25,11 @@ CASES = {
     "train_unknown_key": ("train/run.py", ["+init=scratch", "bogus=1"], "train failed:", "Could not override 'bogus'"),
     "vocab_unparsable": ("data/run_vocab.py", ["draft_vocab_size=[1"], "vocab failed:", "draft_vocab_size=[1"),
     "eval": ("eval/run.py", [], "eval failed:", "no drafter at"),
-    "export": ("eval/run_export.py", [], "export failed:", "no config.json"),
-    "check": ("train/run_check.py", [], "check failed:", "no config.json"),
-    "demo": ("eval/run_demo.py", ["train_steps=0"], "demo failed:", "train_steps=0: must be >= 1"),
-    "study": ("eval/run_study.py", ["seeds=[0]"], "study failed:", "at least two distinct seeds"),
-    "study_no_records": ("eval/run_study.py", ["report_only=true"], "study failed:", "no run records under"),
+    "export": ("export/run.py", [], "export failed:", "no config.json"),
+    "check": ("export/run_check.py", [], "check failed:", "no config.json"),
+    "demo": ("pipeline/run_demo.py", ["train_steps=0"], "demo failed:", "train_steps=0: must be >= 1"),
+    "study": ("pipeline/run_study.py", ["seeds=[0]"], "study failed:", "at least two distinct seeds"),
+    "study_no_records": ("pipeline/run_study.py", ["report_only=true"], "study failed:", "no run records under"),
 }
 
 

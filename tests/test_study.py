@@ -1,4 +1,4 @@
-"""The study (eval/study.py): its statistics on hand-checked numbers, and a reduced study (2 seeds,
+"""The study (pipeline/study.py): its statistics on hand-checked numbers, and a reduced study (2 seeds,
 tiny budgets) through the same code path as `make study` on the tiny toy world of the train tests:
 both inits trained per seed by the train stage, every checkpoint evaluated, forgetting on a second
 (K2-side) store, the knob grid, the real loop, the report and a rebuild of it from the run records."""
@@ -14,7 +14,7 @@ from eagle3.schema.study import StudyConfig
 
 def test_knob_grid_and_budgets():
     from eagle3.knob_grid import knob_grid
-    from eval.study import checkpoint_every
+    from pipeline.study import checkpoint_every
 
     cfg = to_schema(compose("study", ["demo_size=ci"]), StudyConfig)
     labels = [k.label for k in knob_grid(cfg.knob_grid)]
@@ -36,7 +36,7 @@ def test_config_refuses_what_cannot_give_a_spread():
 
 def test_train_overrides_group_by_init_and_keep_every_budget(tmp_path):
     from eagle3.schema.train import TrainConfig
-    from eval.study import train_overrides
+    from pipeline.study import train_overrides
 
     cfg = to_schema(compose("study", ["demo_size=ci", f"paths.root={tmp_path}"]), StudyConfig)
     over = train_overrides(cfg, [f"paths.root={tmp_path}", "target=k25_mini"], "aqmedai_k2", 1)
@@ -90,8 +90,8 @@ def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_t
 
 @pytest.mark.slow
 def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
-    from eval.demo import Experiment, StageLog
-    from eval.study import study_on
+    from pipeline.demo import Experiment, StageLog
+    from pipeline.study import study_on
     from tests.fixtures.train_world import TOY_TRAIN, write_world
 
     root = tmp_path / "root"
@@ -157,14 +157,14 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     (out / "report.json").unlink()
     again = study_on(cfg, {0: exp}, StageLog(threads=1), time.time())
     assert json.loads((again / "report.json").read_text())["derived"] == report["derived"]
-    from eval.study import run_study
+    from pipeline.study import run_study
 
     run_study(config("report_only=true"))
     assert json.loads((out / "report.json").read_text())["table"] == report["table"]
 
 
 def test_report_refuses_records_of_one_world_seed_from_two_worlds():
-    from eval.study_report import check_worlds
+    from pipeline.study_report import check_worlds
 
     def rec(name, world_seed, world_id):
         return {"name": name, "init": "scratch", "seed": 0, "world_seed": world_seed,
@@ -176,8 +176,8 @@ def test_report_refuses_records_of_one_world_seed_from_two_worlds():
 
 
 def test_world_seeds_name_runs_and_roots_apart(tmp_path):
-    from eval.demo import world_root
-    from eval.study import run_name, train_overrides
+    from pipeline.demo import world_root
+    from pipeline.study import run_name, train_overrides
 
     assert world_root(tmp_path, 0) == tmp_path and world_root(tmp_path, 3) == tmp_path / "world-seed3"
     assert run_name("scratch", 1) == "scratch-seed1" and run_name("scratch", 1, 3) == "world3-scratch-seed1"
@@ -191,7 +191,7 @@ def test_world_seeds_name_runs_and_roots_apart(tmp_path):
 
 
 def test_report_names_where_records_were_measured():
-    from eval.study_report import machine, measured_on
+    from pipeline.study_report import machine, measured_on
 
     here = machine()
     assert measured_on([{"machine": here}]) == f"measured on {here}"

@@ -1,9 +1,9 @@
-"""The study's statistics (eval/study_stats.py) on hand-checked numbers and printed t tables."""
+"""The study's statistics (pipeline/study_stats.py) on hand-checked numbers and printed t tables."""
 import math
 
 import pytest
 
-from eval import study_stats as st
+from pipeline import study_stats as st
 
 
 def test_mean_std_and_t_quantiles_match_the_tables():

@@ -76,7 +76,7 @@ def _inner(optimizer):
 
 def optimizer_name(optimizer) -> str:
     """The class of the optimizer doing the step (under accelerate's wrapper), and whether it is fused:
-    what a learning-quality A/B compares (eval/learning_ab.py reads it from the train manifest)."""
+    what a learning-quality A/B compares (pipeline/learning_ab.py reads it from the train manifest)."""
     inner = _inner(optimizer)
     fused = any(g.get("fused") for g in getattr(inner, "param_groups", []))
     return type(inner).__name__ + (" (fused)" if fused else "")

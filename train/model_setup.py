@@ -44,7 +44,7 @@ def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
 
 def init_drafter(config) -> Eagle3Drafter:
     """The drafter a train run with this config starts from (0 training tokens), its inputs opened and
-    checked as the run would: the study's first curve point (eagle3/stages.py `train.init_drafter`)."""
+    checked as the run would: the study's first curve point (pipeline/study.py)."""
     drafter, _ = build_drafter(config, open_inputs(config))
     return drafter
 

@@ -1,4 +1,4 @@
-"""Schema of `make check` (train/run_check.py): a drafter directory against a target."""
+"""Schema of `make check` (export/run_check.py): a drafter directory against a target."""
 from __future__ import annotations
 
 from dataclasses import dataclass

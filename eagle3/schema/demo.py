@@ -1,4 +1,4 @@
-"""Schema of `make demo` (conf/demo.yaml, eval/demo.py): the whole pipeline on the mini world. The
+"""Schema of `make demo` (conf/demo.yaml, pipeline/demo.py): the whole pipeline on the mini world. The
 sizes (train_steps, the per-stage overrides) come from the demo_size group: cpu (default) | ci | gpu."""
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class DemoConfig(ForwardedSettings):
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seed: int = 0                     # the world seed: the mini world's (its split, tokenizer data, models' weights)
     # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py): all cores when idle OpenMP threads
-    # sleep (eval/run_demo.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets one)
+    # sleep (pipeline/run_demo.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets one)
     num_threads: int = 0
 
     def validate(self) -> None:

@@ -1,4 +1,4 @@
-"""Schema of the learning-quality A/B (`conf/learning_ab.yaml`, eval/learning_ab.py): one world, one
+"""Schema of the learning-quality A/B (`conf/learning_ab.yaml`, pipeline/learning_ab.py): one world, one
 init, the same seeds and steps, trained once per arm (a list of train overrides); the curves and the
 final difference with its interval decide whether the arms learn the same."""
 from __future__ import annotations

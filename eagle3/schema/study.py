@@ -1,6 +1,6 @@
 """Schema of the study's config (`conf/study.yaml`, sizes in `conf/study_size/`, which follows the
 `demo_size` choice): learning curves over seeds for both inits, what fine-tuning forgets, and the
-best SGLang knobs under the cost model (eval/study.py)."""
+best SGLang knobs under the cost model (pipeline/study.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,7 +66,7 @@ class StudyConfig(ForwardedSettings):
     train_steps: int                  # optimizer steps per run (the demo size's budget)
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seeds: List[int] = field(default_factory=lambda: [0, 1, 2])   # training seeds (data order, random inits)
-    # world seeds: each builds its own mini world, K2 drafter and K2.5 data (eval/demo.py world_root); the
+    # world seeds: each builds its own mini world, K2 drafter and K2.5 data (pipeline/demo.py world_root); the
     # report gives the spread over seeds within a world and over worlds, or says it covers one world
     world_seeds: List[int] = field(default_factory=lambda: [0])
     inits: List[str] = field(default_factory=lambda: ["scratch", "aqmedai_k2"])  # each one of eagle3.choices.INITS

@@ -17,7 +17,7 @@ from fault_helpers import export_config, train_config
 def pipeline(tmp_path_factory, tiny_k25_target):
     """{capture, vocab, target, old_drafter, train_out, final, export}: a finished tiny pipeline.
     Read-only by convention: tests that break something copy it first (`copy_tree`)."""
-    from eval.export import run_export
+    from export.stage import run_export
     from tests.fixtures.train_world import write_world
     from train.loop import run_train
 

@@ -101,7 +101,7 @@ def test_an_empty_validation_split_is_readable_or_refused_clearly(tmp_path, tiny
 # ------------------------------------------------------------------ export: mismatched combinations
 
 def test_export_refuses_a_capture_from_another_target(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=32, hf_indices=pipeline["hf_indices"])}
     with pytest.raises(ExportError, match=r"width 32 != target hidden_size 64: captured from another target"):
@@ -117,7 +117,7 @@ def reindex(drafter_dir):
 
 
 def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, hf_indices=[2, 4, 99])}
     with pytest.raises(ExportError, match=r"(?s)holds h = \[2, 4, 99\]"):
@@ -135,7 +135,7 @@ def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
 def test_export_refuses_a_drafter_for_another_vocab(pipeline, tmp_path):
     from eagle3.drafter_io import load_drafter_dir, save_drafter_dir
     from eagle3.model import Eagle3Drafter
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     m = load_drafter_dir(pipeline["final"])
     cfg = m.config.replace(vocab_size=600)
@@ -150,7 +150,7 @@ def test_export_refuses_a_drafter_for_another_vocab(pipeline, tmp_path):
 
 
 def test_export_refuses_non_finite_weights(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     ckpt = copy_tree(pipeline["final"], tmp_path / "final")
     t = load_file(str(ckpt / "model.safetensors"))
@@ -162,7 +162,7 @@ def test_export_refuses_non_finite_weights(pipeline, tmp_path):
 
 
 def test_export_does_not_vouch_on_non_finite_validation_states(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     world = {**pipeline, "capture": capture_with(pipeline, tmp_path, hidden=64, hf_indices=pipeline["hf_indices"], nan_in="aux",
                                            check_finite=False)}

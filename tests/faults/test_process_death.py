@@ -34,14 +34,14 @@ def files_of(d: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_killed_export_never_leaves_a_partial_directory(pipeline, tmp_path, seed):
-    from eval.export import run_export
-    from eval.export_io import validate_format_dir
+    from export.stage import run_export
+    from export.directory import validate_format_dir
 
     ref = run_export(export_config(pipeline, pipeline["final"], tmp_path / "ref"))
     out = tmp_path / "killed"
     rng = random.Random(seed)
     # the kill lands while the export writes: wait for its temp directory, then a seeded random delay
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "eval" / "run_export.py"), *export_overrides(pipeline, out)],
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "export" / "run.py"), *export_overrides(pipeline, out)],
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob(".killed.tmp-*")):
@@ -87,8 +87,8 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path, seed):
 def test_death_between_the_two_renames_is_recovered(pipeline, tmp_path, monkeypatch):
     """The export replaces a previous directory in two renames (old aside, new in). Dying between them
     leaves no out_dir: the next run puts the previous, complete export back before anything else."""
-    import eval.export as export_mod
-    from eval.export import run_export
+    import export.stage as export_mod
+    from export.stage import run_export
 
     out = run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang"))
     before = files_of(out)
@@ -104,7 +104,7 @@ def test_death_between_the_two_renames_is_recovered(pipeline, tmp_path, monkeypa
         run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang", "dtype=float32"))
     monkeypatch.setattr(export_mod.os, "replace", real_replace)
     assert not out.exists() and list(tmp_path.glob(".e.old-*"))
-    from eval.export import _recover_interrupted_swap
+    from export.stage import _recover_interrupted_swap
     _recover_interrupted_swap(out)
     assert files_of(out) == before                                      # the previous export is back, whole
     run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang", "dtype=float32"))

@@ -22,7 +22,7 @@ def first_shard(store_dir: Path) -> Path:
 # ------------------------------------------------------------------ the hidden-state store
 
 def test_truncated_shard_is_named_by_training_and_export(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
     from train.inputs import TrainInputError, open_inputs
 
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
@@ -139,7 +139,7 @@ def test_truncated_drafter_dir_is_named_by_the_loader(pipeline, tmp_path):
 
 
 def test_truncated_final_drafter_is_named_by_the_export(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     d = copy_tree(pipeline["final"], tmp_path / "final")
     truncate(d / "model.safetensors", 0.9)
@@ -148,7 +148,7 @@ def test_truncated_final_drafter_is_named_by_the_export(pipeline, tmp_path):
 
 
 def test_bit_flipped_final_drafter_is_not_exported(pipeline, tmp_path):
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     out = copy_tree(pipeline["train_out"], tmp_path / "train")
     flip_in_tensor(out / "final" / "model.safetensors", "midlayer.mlp.down_proj.weight")
@@ -169,8 +169,8 @@ def test_corrupt_vocab_file_is_named_by_training(pipeline, tmp_path):
 
 def test_corrupted_export_is_detected_and_rewritten_on_rerun(pipeline, tmp_path):
     """A served directory damaged after the export (bit flip in a weight) is not reused as up to date."""
-    from eval.export import run_export
-    from eval.export_io import validate_format_dir
+    from export.stage import run_export
+    from export.directory import validate_format_dir
 
     cfg = export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang")
     out = run_export(cfg)
@@ -195,7 +195,7 @@ def test_corrupted_export_is_detected_and_rewritten_on_rerun(pipeline, tmp_path)
 
 def test_disk_full_while_exporting_keeps_the_previous_export(pipeline, tmp_path):
     """fp32 weights are twice the bf16 ones: with the per-file limit at the bf16 size they cannot be written."""
-    from eval.export import ExportError, run_export
+    from export.stage import ExportError, run_export
 
     out = run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang"))
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -1,6 +1,6 @@
 """Files of an exported drafter directory, any format: write (config.json + model.safetensors) and
-validate from disk against `eagle3.export_spec`, through the format's own members (eval/export_format.py);
-each format's module loads its directory back (eval/export_sglang.py, eval/export_speculators.py).
+validate from disk against `eagle3.export_spec`, through the format's own members (export/formats.py);
+each format's module loads its directory back (export/format_sglang.py, export/format_speculators.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
 from eagle3.manifest import atomic_write_json
-from eval.export_format import get_format
+from export.formats import get_format
 
 CONFIG, WEIGHTS = spec.CONFIG_FILE, spec.WEIGHTS_FILE
 # Files a server would also pick up as weights (SGLang/vLLM glob the top directory).

@@ -4,7 +4,7 @@ change to training numerics cites).
 One world (the demo size's, world seed `world_seed`), one init, the same seeds and the same steps,
 trained once per *arm* (by default the GPU defaults, i.e. the fast unroll compiled with the Triton
 AdamW, against `unroll=reference compile=false optim.fused=false`). Every arm's run keeps a
-checkpoint at each budget; each is replayed by the eval stage's `evaluate_drafter` (eval/study.py's
+checkpoint at each budget; each is replayed by the eval stage's `evaluate_drafter` (pipeline/study.py's
 Evaluator and curve), so the two learning curves are measured the same way. The report gives each
 arm's curve (mean ± std over seeds per budget), the final difference B - A of every metric with its
 Welch interval over seeds, and the verdict: the same learning when the interval of the primary
@@ -24,9 +24,9 @@ import torch
 
 from eagle3.conf import compose, to_schema
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
-from eval.study import Evaluator, cached_record, checkpoint_every, curve, knobs_of, world_of
-from eval.study_report import machine, measured_on, metric_names, value
-from eval.study_stats import mean_std, welch_interval
+from pipeline.study import Evaluator, cached_record, checkpoint_every, curve, knobs_of, world_of
+from pipeline.study_report import machine, measured_on, metric_names, value
+from pipeline.study_stats import mean_std, welch_interval
 
 RECORDS = "records"
 
@@ -48,7 +48,7 @@ def arm_overrides(cfg, k25: list[str], arm, seed: int) -> list[str]:
 
 def run_learning_ab(cfg) -> Path:
     """Run the A/B of the module docstring; returns the report directory."""
-    from eval.demo import build_experiment, stage_log
+    from pipeline.demo import build_experiment, stage_log
 
     if not cfg.report_only:
         log = stage_log(cfg, "learning-ab")
@@ -57,7 +57,7 @@ def run_learning_ab(cfg) -> Path:
 
 
 def measure_arms(cfg, exp, log) -> None:
-    """Train every (seed, arm) on the built experiment (eval/demo.py `Experiment`) and record its curve."""
+    """Train every (seed, arm) on the built experiment (pipeline/demo.py `Experiment`) and record its curve."""
     from eagle3.schema.eval import EvalConfig
     from eagle3.schema.train import TrainConfig
 

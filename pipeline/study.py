@@ -10,7 +10,7 @@ error bars, through the stages themselves.
   4. each final drafter and the zero-shot K2 drafter: the same on K2-like traffic (the K2 side's
      held-out store, served with k2-mini: what fine-tuning forgets), the simulated accept length over
      a grid of SGLang knobs priced by the cost model, and a real speculative loop (eagle3/real_loop/check.py);
-  5. the report (eval/study_report.py): curves with spread, a table mean +- std per budget, the token
+  5. the report (pipeline/study_report.py): curves with spread, a table mean +- std per budget, the token
      saving of the K2 start and the final difference with its interval, forgetting, knobs.
 
 Each run's measurements go to `<out_dir>/records/<name>.json` as soon as they exist (a rerun reuses
@@ -30,7 +30,7 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.knob_grid import knob_grid
 from eagle3.conf import as_plain_dict, compose, to_schema
 from eagle3.manifest import atomic_write_json, sha256_file
-from eval.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
+from pipeline.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
 
 
 
@@ -113,9 +113,9 @@ class Evaluator:
 
 def init_drafter(train_cfg):
     """The drafter the train run starts from (0 training tokens), built by train's own code."""
-    from eagle3.stages import entry_point
+    from train.model_setup import init_drafter as build
 
-    return entry_point("train.init_drafter")(train_cfg)
+    return build(train_cfg)
 
 
 def curve(train_cfg, ev: Evaluator, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> list[dict]:
@@ -207,7 +207,7 @@ def cached_record(path: Path, key: dict) -> Optional[dict]:
 def run_study(cfg) -> Path:
     """Run the study of the module docstring in every world of `cfg.world_seeds`; returns the report
     directory."""
-    from eval.demo import build_experiment, stage_log
+    from pipeline.demo import build_experiment, stage_log
 
     if cfg.report_only:
         return write_report(cfg, load_records(Path(cfg.out_dir) / RECORDS), Path(cfg.out_dir))
@@ -220,7 +220,7 @@ def run_study(cfg) -> Path:
 
 
 def study_on(cfg, worlds: dict, log, t0: float) -> Path:
-    """Steps 2-5 on built experiments ({world seed: eval/demo.py `Experiment`}); returns the report dir."""
+    """Steps 2-5 on built experiments ({world seed: pipeline/demo.py `Experiment`}); returns the report dir."""
     for world, exp in worlds.items():
         measure_world(cfg, exp, log, t0, world)
     save_timings(Path(cfg.out_dir), t0, log.rows)

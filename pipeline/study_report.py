@@ -1,4 +1,4 @@
-"""The study's report from its run records (`<out_dir>/records/*.json`, written by eval/study.py):
+"""The study's report from its run records (`<out_dir>/records/*.json`, written by pipeline/study.py):
 curves with their spread over seeds, a table mean +- std per training budget, the derived answers,
 what fine-tuning forgets, the knob search and a recommendation. Plots: matplotlib, Agg backend."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from eagle3.conf import ConfigError
 from eagle3.knob_grid import knob_table
 from eagle3.cost_presets import resolve_preset
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
-from eval.study_stats import mean_std, token_saving, world_difference, world_spread
+from pipeline.study_stats import mean_std, token_saving, world_difference, world_spread
 
 ZERO_SHOT = "k2_zero_shot"
 RECORDS = "records"   # <out_dir>/records/<name>.json: one per measured drafter
@@ -156,7 +156,7 @@ def plot_curves(groups: dict[str, list[dict]], inits: list[str], metrics: list[t
 def derived(groups: dict[str, list[dict]], metrics: list[tuple[str, str]], primary: str, confidence: float) -> dict:
     """The token saving of the K2 start on the primary accept length (run pairs within a world), the
     final difference (K2 start - scratch) of every metric with its interval (over worlds when there are
-    several: eval/study_stats.world_difference), and each init's seed and world spread."""
+    several: pipeline/study_stats.world_difference), and each init's seed and world spread."""
     fast, slow = groups.get("aqmedai_k2", []), groups.get("scratch", [])
     ratios, pairs, not_reached, at_start = [], 0, 0, 0
     for w in sorted({world_seed(r) for r in fast + slow}):
@@ -254,7 +254,7 @@ def recommendation(knobs: dict[str, dict], cfg) -> dict:
 
 
 def load_timings(out_dir: Path) -> list[dict]:
-    """Every invocation's stage times (eval/study.py save_timings), oldest first."""
+    """Every invocation's stage times (pipeline/study.py save_timings), oldest first."""
     out = []
     for p in sorted((Path(out_dir) / "timings").glob("*.json")):
         try:

@@ -26,13 +26,22 @@ from eagle3 import aux_layers
 from eagle3.conf import compose, stage_schema, to_schema
 from eagle3.cpu_threads import WAIT_POLICY, auto_threads
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
-from eagle3.stages import entry_point
+from data.capture import run_capture
+from data.mini_world.build import run_mini_world
+from data.prepare import run_prepare
+from data.vocab import run_vocab
+from eval.stage import run_eval
+from export.stage import run_export
+from train.loop import run_train
+
+# every stage the orchestrators run: the function its entry script calls, with the same typed config
+RUNNERS: dict[str, Callable] = {"mini_world": run_mini_world, "prepare": run_prepare, "capture": run_capture,
+                                "vocab": run_vocab, "train": run_train, "eval": run_eval, "export": run_export}
 
 
 def _runner(stage: str) -> tuple[type, Callable]:
-    """(schema, run function) of a stage, imported lazily through the registry (eagle3/stages.py): the
-    stage's own entry point, without eval/ importing data/ or train/."""
-    return stage_schema(stage), entry_point(stage)
+    """(schema, run function) of a stage."""
+    return stage_schema(stage), RUNNERS[stage]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`make demo`: every stage on the mini world, and the K2-vs-K2.5 drafter comparison table."""
+"""`make study`: learning curves over seeds for both inits, what fine-tuning forgets, knobs (pipeline/study.py)."""
 import sys
 from pathlib import Path
 
@@ -12,16 +12,16 @@ import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
 from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.demo import DemoConfig  # noqa: E402
+from eagle3.schema.study import StudyConfig  # noqa: E402
 
 
-@hydra.main(config_path="../conf", config_name="demo", version_base=None)
+@hydra.main(config_path="../conf", config_name="study", version_base=None)
 def main(cfg) -> None:
-    with stage_errors("demo"):
-        from eval.demo import run_demo
+    with stage_errors("study"):
+        from pipeline.study import run_study
 
-        run_demo(to_schema(cfg, DemoConfig))
+        run_study(to_schema(cfg, StudyConfig))
 
 
 if __name__ == "__main__":
-    run_main("demo", main)
+    run_main("study", main)

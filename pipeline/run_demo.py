@@ -1,4 +1,4 @@
-"""`make learning-ab`: the learning-quality A/B of two training code paths (eval/learning_ab.py)."""
+"""`make demo`: every stage on the mini world, and the K2-vs-K2.5 drafter comparison table."""
 import sys
 from pathlib import Path
 
@@ -12,16 +12,16 @@ import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
 from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.learning_ab import LearningABConfig  # noqa: E402
+from eagle3.schema.demo import DemoConfig  # noqa: E402
 
 
-@hydra.main(config_path="../conf", config_name="learning_ab", version_base=None)
+@hydra.main(config_path="../conf", config_name="demo", version_base=None)
 def main(cfg) -> None:
-    with stage_errors("learning_ab"):
-        from eval.learning_ab import run_learning_ab
+    with stage_errors("demo"):
+        from pipeline.demo import run_demo
 
-        run_learning_ab(to_schema(cfg, LearningABConfig))
+        run_demo(to_schema(cfg, DemoConfig))
 
 
 if __name__ == "__main__":
-    run_main("learning_ab", main)
+    run_main("demo", main)

@@ -1,5 +1,5 @@
 """The SGLang export format (`LlamaForCausalLMEagle3`; also the SpecForge / AQ-MedAI layout): the export
-directory itself, read back with the project's own loader. One `ExportFormat` (eval/export_format.py)."""
+directory itself, read back with the project's own loader. One `ExportFormat` (export/formats.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The vLLM speculators export format (`Eagle3Speculator`): `<out_dir>/speculators/`, the decoder layer named
 `layers.0.*`, its config the speculators equivalent of the SGLang one (vLLM's ids = h), optionally holding the
-target's embedding. One `ExportFormat` (eval/export_format.py)."""
+target's embedding. One `ExportFormat` (export/formats.py)."""
 from __future__ import annotations
 
 import json

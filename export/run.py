@@ -1,4 +1,4 @@
-"""Entry point of the export stage: `python eval/run_export.py [overrides]` (`make export`).
+"""Entry point of the export stage: `python export/run.py [overrides]` (`make export`).
 
 The trained drafter (train-<name>/final) -> an SGLang directory (and a vLLM speculators one), validated
 from disk and checked logit for logit against the checkpoint; prints the serve commands (SERVE.md).
@@ -14,7 +14,7 @@ import hydra  # noqa: E402
 from eagle3.conf import to_schema  # noqa: E402
 from eagle3.errors import run_main, stage_errors  # noqa: E402
 from eagle3.schema.export import ExportConfig  # noqa: E402
-from eval.export import run_export  # noqa: E402
+from export.stage import run_export  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base=None)

@@ -1,5 +1,5 @@
 """`make check`: is a drafter directory usable with a target, before a 10-minute server start or a
-training run? `python train/run_check.py [drafter_dir=/path] [target=kimi_k25]`.
+training run? `python export/run_check.py [drafter_dir=/path] [target=kimi_k25]`.
 
 Reads only config files, safetensors headers and the small d2t/t2d tensors. Prints every
 mismatch with what to change (ERROR = the drafter cannot be used as is; WARNING = fixed by

@@ -1,4 +1,4 @@
-"""`make study`: learning curves over seeds for both inits, what fine-tuning forgets, knobs (eval/study.py)."""
+"""`make learning-ab`: the learning-quality A/B of two training code paths (pipeline/learning_ab.py)."""
 import sys
 from pathlib import Path
 
@@ -12,16 +12,16 @@ import hydra  # noqa: E402
 
 from eagle3.conf import to_schema  # noqa: E402
 from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.study import StudyConfig  # noqa: E402
+from eagle3.schema.learning_ab import LearningABConfig  # noqa: E402
 
 
-@hydra.main(config_path="../conf", config_name="study", version_base=None)
+@hydra.main(config_path="../conf", config_name="learning_ab", version_base=None)
 def main(cfg) -> None:
-    with stage_errors("study"):
-        from eval.study import run_study
+    with stage_errors("learning_ab"):
+        from pipeline.learning_ab import run_learning_ab
 
-        run_study(to_schema(cfg, StudyConfig))
+        run_learning_ab(to_schema(cfg, LearningABConfig))
 
 
 if __name__ == "__main__":
-    run_main("study", main)
+    run_main("learning_ab", main)

@@ -31,11 +31,11 @@ from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
 from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
 from eagle3.model import DrafterConfig
-from eval.export_format import FORMATS, format_dir, formats_of, get_format
-from eval.export_io import export_tensors, validate_format_dir, write_format_dir
-from eval.export_roundtrip import RoundTripReference, validation_batches
+from export.formats import FORMATS, format_dir, formats_of, get_format
+from export.directory import export_tensors, validate_format_dir, write_format_dir
+from export.roundtrip import RoundTripReference, validation_batches
 from eagle3.serve_launch import tensor_parallel
-from eval.export_serve import read_serve_choice, serve_markdown
+from export.serving import read_serve_choice, serve_markdown
 
 STAGE = "export"
 

@@ -2,7 +2,7 @@
 `FORMATS` is the lookup table the export stage reads (export.format names a key, or "both").
 
 Adding a format is one new module (a class with the members below) and one line in FORMATS; the stage
-(eval/export.py) and the directory checks (eval/export_io.py) only call these members:
+(export/stage.py) and the directory checks (export/directory.py) only call these members:
   - `subdir`: where its directory goes under out_dir ("" = out_dir itself);
   - `ships_embed`: whether it may hold the target's embedding (export.speculators_embed);
   - `build_config(served, source, ...)`: its config.json from the served DrafterConfig;
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-from eval.export_sglang import SGLang
-from eval.export_speculators import Speculators
+from export.format_sglang import SGLang
+from export.format_speculators import Speculators
 
 
 class ExportFormat(Protocol):
