@@ -191,9 +191,8 @@ def compatibility_problems(served: DrafterConfig, src: Sources) -> tuple[list[st
     return fatal, [str(m) for m in found if not m.fatal]
 
 
-def build_configs(src: Sources, config, speculative_tokens: int) -> dict[str, dict]:
+def build_configs(src: Sources, served: DrafterConfig, config, speculative_tokens: int) -> dict[str, dict]:
     """Every format's config.json (all of them: SERVE.md and the manifest name each engine's ids)."""
-    served = src.served(config.dtype)
     return {name: form.build_config(served, src.drafter_json, hf_indices=src.hf_indices,
                                     verifier_path=config.target.path, verifier_architectures=src.target_architectures,
                                     speculative_tokens=speculative_tokens) for name, form in FORMATS.items()}
@@ -245,8 +244,9 @@ def run_export(config) -> Path:
         print((out_dir / "SERVE.md").read_text())
         return out_dir
 
-    configs = build_configs(src, config, speculative_tokens=choice.num_steps)
-    fatal, warnings = compatibility_problems(src.served(config.dtype), src)
+    served = src.served(config.dtype)  # the config every format writes, parsed once
+    configs = build_configs(src, served, config, speculative_tokens=choice.num_steps)
+    fatal, warnings = compatibility_problems(served, src)
     if fatal:
         raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
     for w in warnings:
