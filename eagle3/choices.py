@@ -35,6 +35,10 @@ PRECISIONS = ("auto", "bf16", "no")              # auto = bf16 autocast on GPU, 
 NONFINITE_POLICIES = ("stop", "skip")            # a non-finite loss or gradient
 STORE_VERIFY = ("size", "sha256", "none")        # hidden-state store check when opened / first read
 
+# train and eval: what the drafter embeds at image rows (eagle3/image_embeddings.py; auto = the export engine's)
+IMAGE_CONVENTIONS = ("fused", "placeholder")     # SGLang: the target's fused rows | vLLM: embed(<|media_pad|>)
+IMAGE_EMBEDDINGS = ("auto", *IMAGE_CONVENTIONS)
+
 # eval
 NGRAM_PREFER = ("recent", "first")               # prompt lookup: newest match | first match (HF's)
 

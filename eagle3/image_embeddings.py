@@ -5,17 +5,24 @@
   * `placeholder` (vLLM's Eagle3LlamaForCausalLM): the drafter's own table at the placeholder id
     (`<|media_pad|>`, 163605 for Kimi-K2.5).
 Text rows are embed_tokens(id) under both. A sequence without images is the same under both.
+The config switch (train, eval) is `image_embeddings: auto | fused | placeholder`; auto = the convention of the
+engine the export serves with first (SGLang: its directory and SERVE.md's first command), i.e. fused.
+The export records the trained convention in config.json under CONFIG_KEY (engines ignore the key).
 
-Imports only torch.
+Standard library at import (drafter_keys and the schemas read its names); torch inside token_embeddings.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+from eagle3.choices import IMAGE_CONVENTIONS as CONVENTIONS, IMAGE_EMBEDDINGS as CHOICES
 
-CONVENTIONS = ("fused", "placeholder")
 ENGINE_DEFAULT = {"sglang": "fused", "vllm": "placeholder"}
+EXPORT_ENGINE = "sglang"  # the engine `auto` follows: the export's SGLang directory is the one SERVE.md serves first
+CONFIG_KEY = "eagle3_image_embeddings"  # the exported config.json's record of the trained convention
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_convention(convention: str) -> str:
@@ -29,6 +36,22 @@ def default_for_engine(engine: str) -> str:
     if engine not in ENGINE_DEFAULT:
         raise ValueError(f"engine {engine!r}: no image embedding convention known (one of {sorted(ENGINE_DEFAULT)})")
     return ENGINE_DEFAULT[engine]
+
+
+def resolve(choice: str, engine: str = EXPORT_ENGINE) -> str:
+    """A config's `image_embeddings` (auto | fused | placeholder) -> the convention (auto: `engine`'s)."""
+    if choice not in CHOICES:
+        raise ValueError(f"image_embeddings={choice!r}: expected one of {CHOICES}")
+    return default_for_engine(engine) if choice == "auto" else choice
+
+
+def serving_mismatch(trained: str, engine: str) -> Optional[str]:
+    """A one-line warning when `engine` feeds the drafter other image rows than it was trained on, else None."""
+    served = default_for_engine(engine)
+    if check_convention(trained) == served:
+        return None
+    return (f"trained with image_embeddings={trained} but {engine} feeds {served} rows at image positions: "
+            "expect a lower accept length on image traffic (text traffic is unaffected)")
 
 
 def token_embeddings(embed_tokens: torch.nn.Module, input_ids: torch.Tensor, convention: str,

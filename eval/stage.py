@@ -18,6 +18,7 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, as_plain_dict
 from eagle3.cost_model import Latencies, predict
 from eagle3.cost_presets import resolve_preset
+from eagle3.image_embeddings import resolve as resolve_image_embeddings
 from eagle3.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
                              write_manifest)
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
@@ -86,8 +87,8 @@ def best_setting(report: dict, knobs: list[SpecKnobs]) -> Optional[dict]:
             "wins": pred["wins"], "verdict": pred["verdict"]}
 
 
-def prompts_from_store(store, n: int) -> list[torch.Tensor]:
-    """The text before each validation sequence's first assistant token (what a user would send)."""
+def _prompt_items(store, n: int) -> list[tuple[dict, int]]:
+    """(store item, prompt length) of the first n validation sequences with a prompt before an assistant token."""
     out = []
     for i in range(len(store)):
         if len(out) >= n:
@@ -95,7 +96,24 @@ def prompts_from_store(store, n: int) -> list[torch.Tensor]:
         s = store[i]
         where = s["loss_mask"].bool().nonzero()
         if where.numel() and int(where[0]) >= 1:
-            out.append(s["input_ids"][: int(where[0])].long())
+            out.append((s, int(where[0])))
+    return out
+
+
+def prompts_from_store(store, n: int) -> list[torch.Tensor]:
+    """The text before each validation sequence's first assistant token (what a user would send)."""
+    return [s["input_ids"][:L].long() for s, L in _prompt_items(store, n)]
+
+
+def prompt_images_from_store(store, n: int, convention: str) -> list:
+    """Per prompt of prompts_from_store(store, n): its image rows (PromptImages: the store's fused rows of the
+    prompt's image positions, read by the drafter under `convention`), or None for a text prompt."""
+    from eagle3.real_loop.chain import PromptImages
+
+    image_id, out = store.image_token_id, []
+    for s, L in _prompt_items(store, n):
+        k = 0 if image_id is None else int((s["input_ids"][:L] == image_id).sum())
+        out.append(PromptImages(image_id, s["image_embeds"][:k], convention) if k else None)
     return out
 
 
@@ -161,11 +179,12 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
     store = HiddenStateStore(store_dir)
     embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
     drafter = load_drafter_dir(drafter_dir, embed_tokens=embed, device=device, dtype=cfg.dtype).eval()
+    image_embeddings = resolve_image_embeddings(cfg.image_embeddings)
     report = {"name": cfg.name, "drafter_dir": str(drafter_dir), "store": str(store_dir), "device": device}
     report.update(evaluate_drafter(drafter, store, knobs=knobs, ttt_length=cfg.ttt_length,
                                    max_sequences=cfg.max_sequences,
                                    ngram=NgramSettings(cfg.ngram.max_ngram, cfg.ngram.min_ngram, cfg.ngram.prefer),
-                                   progress=cfg.progress))
+                                   progress=cfg.progress, image_embeddings=image_embeddings))
     report["cost"] = cost_section(report, knobs, latencies_from_config(cfg.cost))
     report["best"] = best_setting(report, knobs)
 
@@ -178,7 +197,9 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
                 target.to(device)
             eos = read_text_config(cfg.target.path, cfg.target.layout).get("eos_token_id") \
                 if cfg.real_loop.stop_at_eos else None
-            report["real_loop"] = real_vs_simulated(target, drafter, prompts, knobs, cfg.real_loop.max_new_tokens, eos)
+            images = prompt_images_from_store(store, cfg.real_loop.num_prompts, image_embeddings)
+            report["real_loop"] = real_vs_simulated(target, drafter, prompts, knobs, cfg.real_loop.max_new_tokens, eos,
+                                                    images=images)
             bad = [k for k, r in report["real_loop"]["knobs"].items() if not r["lossless"]]
             if bad:
                 report["warnings"].append(f"the real speculative loop was NOT lossless for {bad}: its output differs "

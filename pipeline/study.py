@@ -93,7 +93,10 @@ class Evaluator:
         from eagle3.store import HiddenStateStore
         from eagle3.target_io import load_embed_tokens
 
+        from eagle3.image_embeddings import resolve
+
         self.cfg, self.device = eval_cfg, device
+        self.image_embeddings = resolve(eval_cfg.image_embeddings)  # what the drafter reads at image rows
         self.store = HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split)
         self.embed = load_embed_tokens(eval_cfg.target.path, eval_cfg.target.layout)
 
@@ -107,7 +110,8 @@ class Evaluator:
 
         drafter = drafter.to(self.device).eval()
         rep = evaluate_drafter(drafter, self.store, knobs=knobs, ttt_length=self.cfg.ttt_length,
-                               max_sequences=max_sequences, ngram=None, progress=False)
+                               max_sequences=max_sequences, ngram=None, progress=False,
+                               image_embeddings=self.image_embeddings)
         return point_metrics(rep)
 
 
@@ -136,7 +140,8 @@ class RealCheck:
 
     def __init__(self, eval_cfg, device: str, conf):
         from eagle3.target_io import load_target, read_text_config
-        from eval.stage import prompts_from_store
+        from eagle3.image_embeddings import resolve
+        from eval.stage import prompt_images_from_store, prompts_from_store
 
         self.conf = conf
         t = eval_cfg.target
@@ -146,8 +151,9 @@ class RealCheck:
         self.eos = read_text_config(t.path, t.layout).get("eos_token_id")
         from eagle3.store import HiddenStateStore
 
-        self.prompts = prompts_from_store(HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split),
-                                           conf.num_prompts)
+        store = HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split)
+        self.prompts = prompts_from_store(store, conf.num_prompts)
+        self.images = prompt_images_from_store(store, conf.num_prompts, resolve(eval_cfg.image_embeddings))
 
     def __call__(self, drafter) -> dict:
         from eagle3.real_loop.check import real_vs_simulated
@@ -155,7 +161,7 @@ class RealCheck:
         if not self.prompts:
             return {"skipped": "no validation sequence has a prompt before its first assistant token"}
         res = real_vs_simulated(self.target, drafter, self.prompts, knobs_of(self.conf.knobs),
-                                self.conf.max_new_tokens, self.eos)
+                                self.conf.max_new_tokens, self.eos, images=self.images)
         return {label: {k: r[k] for k in ("lossless", "real_accept_length", "sim_accept_length", "cycles")}
                 for label, r in res["knobs"].items()}
 
@@ -167,7 +173,8 @@ def final_measurements(drafter_k25, drafter_k2, sides: dict, cfg, real: Optional
     from eagle3.replay.evaluate import simulate_accept_length
 
     sims = simulate_accept_length(drafter_k25.to(sides["k25"].device), sides["k25"].store, knobs=grid,
-                                  max_sequences=cfg.knob_grid.max_sequences, ngram=None, progress=False)
+                                  max_sequences=cfg.knob_grid.max_sequences, ngram=None, progress=False,
+                                  image_embeddings=sides["k25"].image_embeddings)
     out = {"k2_traffic": sides["k2"].metrics(drafter_k2, knobs_of(cfg.curve.knobs), cfg.forgetting_max_sequences),
            "grid_tau": {label: r["drafter"].accept_length for label, r in sims.items()}}
     if real is not None:

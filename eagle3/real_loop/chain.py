@@ -14,6 +14,10 @@ Emitted per cycle: k+1, capped by the tokens still wanted (as the replay in eagl
 counts the last cycle of a segment), so for the target's own greedy output the simulated accept
 length on the same sequence is the same number (tests/test_eval_real_loop.py).
 
+A prompt with images (`PromptImages`): the target's prefill reads its fused input embeddings (the store's
+rows at the image positions), and the drafter's prefill reads what the image_embeddings convention feeds
+(eagle3/image_embeddings.py); every generated token is text, so later cycles are unchanged.
+
 Imports torch, transformers (through the target model) and eagle3 core only.
 """
 from __future__ import annotations
@@ -24,8 +28,39 @@ from typing import Optional
 
 import torch
 
+from eagle3.image_embeddings import check_convention, token_embeddings
 from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
 from eagle3.ttt import KVCache
+
+
+@dataclass
+class PromptImages:
+    """A prompt's image rows: image_token_id, the target's fused input embeddings there (rows [n, H], in order;
+    the store's `image_embeds`) and the convention the drafter reads them with."""
+    image_token_id: int
+    rows: torch.Tensor
+    convention: str
+
+    def __post_init__(self):
+        check_convention(self.convention)
+
+    def target_embeds(self, embed_tokens, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings [1, L, H] of ids [L] (image rows fused, as its multimodal forward)."""
+        emb = token_embeddings(embed_tokens, ids, "fused", self.image_token_id, self.rows)
+        return (embed_tokens(ids) if emb is None else emb)[None]
+
+    def drafter_embeds(self, drafter, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """The drafter's input embeddings [L, H] of ids [L] under the convention (None: embed_tokens(ids))."""
+        return token_embeddings(drafter.embed_tokens, ids, self.convention, self.image_token_id, self.rows)
+
+
+def prefill_inputs(drafter, prompt: torch.Tensor, first: int, images: Optional[PromptImages]):
+    """The drafter's prefill: pairs x_{t+1} (t = 0..L-1) of prompt + the first generated token, and their input
+    embeddings [1, L, H] when not embed_tokens(pairs) (shifted by one like the ids)."""
+    dev = drafter.fc.weight.device
+    seq = torch.cat([prompt, torch.tensor([first])]).to(dev)
+    emb = None if images is None else images.drafter_embeds(drafter, seq)
+    return seq[None, 1:], None if emb is None else emb[None, 1:]
 
 
 @dataclass
@@ -103,15 +138,19 @@ class TargetRunner:
         return cls(target, hf_indices)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, capture: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """ids Long [n] at the next n positions -> (argmax Long [n], aux [n, 3*Ht] or None)."""
-        ids = ids.to(self.device)[None]
+    def forward(self, ids: torch.Tensor, capture: bool, images: Optional[PromptImages] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """ids Long [n] at the next n positions -> (argmax Long [n], aux [n, 3*Ht] or None). images: the image
+        rows of these ids (a prompt's prefill), read as fused input embeddings."""
+        ids = ids.to(self.device)
+        inputs = {"input_ids": ids[None]} if images is None else \
+            {"inputs_embeds": images.target_embeds(self.decoder.embed_tokens, ids)}
         if capture:
             with AuxHiddenCapture(self.target, self.hf_indices) as cap:
-                out = self.decoder(input_ids=ids, cache=self.cache, use_cache=True)
+                out = self.decoder(**inputs, cache=self.cache, use_cache=True)
                 aux = cap.aux_concat(self.device)[0]
         else:
-            out, aux = self.decoder(input_ids=ids, cache=self.cache, use_cache=True), None
+            out, aux = self.decoder(**inputs, cache=self.cache, use_cache=True), None
         return self.head(out.last_hidden_state[0]).argmax(-1), aux
 
     def crop(self, length: int) -> None:
@@ -124,13 +163,14 @@ class TargetRunner:
 
 
 @torch.no_grad()
-def greedy_decode(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> DecodeResult:
+def greedy_decode(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                  images: Optional[PromptImages] = None) -> DecodeResult:
     """The target's own greedy decode (the reference and the baseline timing); stops after
-    max_new_tokens or at an EOS id (int or list)."""
+    max_new_tokens or at an EOS id (int or list). images: the prompt's image rows."""
     eos = eos_ids(eos_token_id)
     run = TargetRunner(target, [])
     t0 = time.perf_counter()
-    g, _ = run.forward(prompt, capture=False)
+    g, _ = run.forward(prompt, capture=False, images=images)
     sync_device(run.device)
     res = DecodeResult(tokens=[int(g[-1])], prefill_ms=elapsed_ms(t0))
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
@@ -144,8 +184,9 @@ def greedy_decode(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_i
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: int, num_steps: int = 2,
-                       num_draft_tokens: int = 3, eos_token_id=None) -> SpecResult:
-    """Chain speculative decoding (module docstring). prompt Long [L] (L >= 1)."""
+                       num_draft_tokens: int = 3, eos_token_id=None, images: Optional[PromptImages] = None
+                       ) -> SpecResult:
+    """Chain speculative decoding (module docstring). prompt Long [L] (L >= 1); images: its image rows."""
     if not 2 <= num_draft_tokens <= num_steps + 1:
         raise ValueError(f"chain decoding needs 2 <= num_draft_tokens <= num_steps + 1, got "
                          f"{num_steps}/1/{num_draft_tokens}")
@@ -156,12 +197,12 @@ def speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: in
     L, n = prompt.numel(), num_draft_tokens - 1
     res = SpecResult(tokens=[], num_steps=num_steps, num_draft_tokens=num_draft_tokens)
 
-    g, aux = run.forward(prompt, capture=True)                                    # prefill
+    g, aux = run.forward(prompt, capture=True, images=images)                     # prefill
     res.tokens.append(int(g[-1]))
     dcache = KVCache()
-    pairs = torch.cat([prompt[1:], torch.tensor([res.tokens[0]])]).to(dev)       # x_{t+1} for t = 0..L-1
-    h = drafter.step(pairs[None], drafter.project_aux(aux[None].to(dev)), torch.arange(L, device=dev)[None],
-                     dcache)[:, -1:]                                             # output at position q-1
+    pairs, emb = prefill_inputs(drafter, prompt, res.tokens[0], images)          # x_{t+1} for t = 0..L-1
+    h = drafter.step(pairs, drafter.project_aux(aux[None].to(dev)), torch.arange(L, device=dev)[None],
+                     dcache, embeds=emb)[:, -1:]                                 # output at position q-1
     q = L                                                                        # position of the last verified token
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
         remaining = max_new_tokens - len(res.tokens)

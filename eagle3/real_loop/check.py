@@ -15,60 +15,71 @@ import torch
 
 from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
 from eagle3.cost_model import measured_latencies, predict
-from eagle3.real_loop.chain import greedy_decode, speculative_decode
+from eagle3.real_loop.chain import PromptImages, greedy_decode, speculative_decode
 from eagle3.real_loop.tree import tree_speculative_decode
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
 
 
 @torch.no_grad()
-def capture_sequence(target, ids: torch.Tensor, hf_indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over ids Long [T] -> (aux [T, 3*Ht], target_argmax Long [T]), as capture stores them."""
+def capture_sequence(target, ids: torch.Tensor, hf_indices: list[int], images: Optional[PromptImages] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over ids Long [T] -> (aux [T, 3*Ht], target_argmax Long [T]), as capture stores them
+    (images: the image rows among ids, read as fused input embeddings)."""
     decoder, head = text_model(target), lm_head(target)
     dev = decoder.embed_tokens.weight.device
+    ids = ids.to(dev)
+    inputs = {"input_ids": ids[None]} if images is None else \
+        {"inputs_embeds": images.target_embeds(decoder.embed_tokens, ids)}
     with AuxHiddenCapture(target, hf_indices) as cap:
-        out = decoder(input_ids=ids.to(dev)[None], use_cache=False)
+        out = decoder(**inputs, use_cache=False)
         aux = cap.aux_concat(dev)[0]
     return aux, head(out.last_hidden_state[0]).argmax(-1)
 
 
-def simulate_on_generation(target, drafter, prompt: torch.Tensor, generated: Sequence[int], knobs: SpecKnobs
-                           ) -> AcceptStats:
+def simulate_on_generation(target, drafter, prompt: torch.Tensor, generated: Sequence[int], knobs: SpecKnobs,
+                           images: Optional[PromptImages] = None) -> AcceptStats:
     """The replay over prompt + generated, with the loss mask on the generated tokens."""
     ids = torch.cat([prompt.long().reshape(-1), torch.tensor(list(generated), dtype=torch.long)])
-    aux, argmax = capture_sequence(target, ids, drafter.config.aux_hf_indices)
+    aux, argmax = capture_sequence(target, ids, drafter.config.aux_hf_indices, images)
     mask = torch.zeros(ids.numel(), dtype=torch.bool)
     mask[prompt.numel():] = True
-    seq = SequenceDrafter(drafter, aux.cpu(), ids, knobs.topk)
+    emb = None if images is None else images.drafter_embeds(drafter, ids.to(drafter.fc.weight.device))
+    seq = SequenceDrafter(drafter, aux.cpu(), ids, knobs.topk, emb)
     return replay_sequence(ids, mask, argmax.cpu(), lambda q: build_sglang_tree(seq.at(q), knobs), knobs.max_depth)
 
 
 def real_vs_simulated(target, drafter, prompts: Sequence[torch.Tensor], knobs: Sequence[SpecKnobs],
-                      max_new_tokens: int, eos_token_id: Optional[int] = None) -> dict:
+                      max_new_tokens: int, eos_token_id: Optional[int] = None,
+                      images: Optional[Sequence[Optional[PromptImages]]] = None) -> dict:
     """Per knob setting: lossless flag, real and simulated accept length, measured latencies, and the
-    cost model's prediction from those latencies next to the measured speed."""
+    cost model's prediction from those latencies next to the measured speed. images: per prompt, its image
+    rows (None: a text prompt)."""
     drafter.eval()
     chains = list(knobs)  # every knob: chains by eagle3/real_loop/chain.py, trees by eagle3/real_loop/tree.py
     out: dict = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "knobs": {}, "skipped_knobs": []}
     base_ms: list[float] = []
     runs = {k.label: {"emitted": [], "sim": AcceptStats(k.max_depth), "lossless": True, "draft": [], "verify": [],
                       "extend": []} for k in chains}
-    for prompt in prompts:
-        base = greedy_decode(target, prompt, max_new_tokens, eos_token_id)
+    images = list(images) if images is not None else [None] * len(prompts)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries")
+    for prompt, img in zip(prompts, images):
+        base = greedy_decode(target, prompt, max_new_tokens, eos_token_id, images=img)
         base_ms.extend(base.token_ms)
         for k in chains:
             r = runs[k.label]
             if k.topk == 1:
                 spec = speculative_decode(target, drafter, prompt, max_new_tokens, k.num_steps, k.num_draft_tokens,
-                                          eos_token_id)
+                                          eos_token_id, images=img)
             else:
-                spec = tree_speculative_decode(target, drafter, prompt, max_new_tokens, k, eos_token_id)
+                spec = tree_speculative_decode(target, drafter, prompt, max_new_tokens, k, eos_token_id, images=img)
             r["lossless"] &= spec.tokens == base.tokens
             r["emitted"] += spec.emitted
             r["draft"] += spec.draft_ms
             r["verify"] += spec.verify_ms
             r["extend"] += spec.extend_ms
-            r["sim"] += simulate_on_generation(target, drafter, prompt, base.tokens, k)
+            r["sim"] += simulate_on_generation(target, drafter, prompt, base.tokens, k, img)
     mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
     baseline_token_ms = mean(base_ms)
     out["baseline_token_ms"] = baseline_token_ms

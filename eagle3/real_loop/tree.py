@@ -14,11 +14,13 @@ pairs of 0..q-1 and its output at q-1):
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
 from eagle3.accept_sim import SpecKnobs, build_sglang_tree
-from eagle3.real_loop.chain import SpecResult, TargetRunner, elapsed_ms, eos_ids, sync_device
+from eagle3.real_loop.chain import (PromptImages, SpecResult, TargetRunner, elapsed_ms, eos_ids, prefill_inputs,
+                                   sync_device)
 from eagle3.replay.drafter_session import BeamCache
 from eagle3.target_io import AuxHiddenCapture
 from eagle3.ttt import KVCache
@@ -83,8 +85,9 @@ def keep_cache_entries(cache, index: torch.Tensor) -> None:
 
 @torch.no_grad()
 def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_tokens: int, knobs: SpecKnobs,
-                            eos_token_id=None) -> SpecResult:
-    """Tree speculative decoding (module docstring). Lossless: its output is the target's greedy decode."""
+                            eos_token_id=None, images: Optional[PromptImages] = None) -> SpecResult:
+    """Tree speculative decoding (module docstring). Lossless: its output is the target's greedy decode.
+    images: the prompt's image rows (eagle3/real_loop/chain.py PromptImages)."""
     eos = eos_ids(eos_token_id)
     run = TargetRunner.for_drafter(target, drafter)
     dev = drafter.fc.weight.device
@@ -92,12 +95,12 @@ def tree_speculative_decode(target, drafter, prompt: torch.Tensor, max_new_token
     prompt = prompt.long().reshape(-1)
     L = prompt.numel()
     res = SpecResult(tokens=[], num_steps=knobs.num_steps, num_draft_tokens=knobs.num_draft_tokens)
-    g, aux = run.forward(prompt, capture=True)                                       # prefill
+    g, aux = run.forward(prompt, capture=True, images=images)                        # prefill
     res.tokens.append(int(g[-1]))
     dcache = KVCache()
-    pairs = torch.cat([prompt[1:], torch.tensor([res.tokens[0]])]).to(dev)
-    h = drafter.step(pairs[None], drafter.project_aux(aux[None].to(dev)), torch.arange(L, device=dev)[None],
-                     dcache)[0, -1]
+    pairs, emb = prefill_inputs(drafter, prompt, res.tokens[0], images)
+    h = drafter.step(pairs, drafter.project_aux(aux[None].to(dev)), torch.arange(L, device=dev)[None],
+                     dcache, embeds=emb)[0, -1]
     q = L
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in eos:
         remaining = max_new_tokens - len(res.tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from eagle3.choices import DEVICES, FLOAT_DTYPES, NGRAM_PREFER
+from eagle3.choices import DEVICES, FLOAT_DTYPES, IMAGE_EMBEDDINGS, NGRAM_PREFER
 from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
@@ -102,6 +102,10 @@ class EvalConfig:
     dtype: str = "float32"      # the drafter's dtype during eval
     max_sequences: Optional[int] = None  # null: the whole split
     ttt_length: int = 7
+    # what the drafter embeds at image rows, in the replay and the real loop: fused (SGLang: the store's fused
+    # rows) | placeholder (vLLM: embed(<|media_pad|>)) | auto (the export's engine, SGLang: fused);
+    # eagle3/image_embeddings.py. Text-only stores read the same under all three.
+    image_embeddings: str = "auto"
     knobs: List[KnobConf] = field(default_factory=default_knobs)  # SGLang's three speculative knobs
     ngram: NgramConf = field(default_factory=NgramConf)
     real_loop: RealLoopConf = field(default_factory=RealLoopConf)
@@ -115,6 +119,7 @@ class EvalConfig:
     def validate(self) -> None:
         check_choice("device", self.device, DEVICES)
         check_choice("dtype", self.dtype, FLOAT_DTYPES)
+        check_choice("image_embeddings", self.image_embeddings, IMAGE_EMBEDDINGS)
         check_knobs(self.knobs, "knobs")
         if self.ttt_length < 1:
             raise ConfigError(f"ttt_length={self.ttt_length}: must be >= 1")

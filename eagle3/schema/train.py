@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eagle3.choices import ATTENTION_KERNELS, COMPILE_CHOICES, NONFINITE_POLICIES, PRECISIONS, STORE_VERIFY, UNROLLS
+from eagle3.choices import (ATTENTION_KERNELS, COMPILE_CHOICES, IMAGE_EMBEDDINGS, NONFINITE_POLICIES, PRECISIONS,
+                            STORE_VERIFY, UNROLLS)
 from eagle3.conf import ConfigError, check_choice, register_stage
 from eagle3.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 
@@ -60,6 +61,9 @@ class TrainConfig:
     seed: int = 0
     ttt_length: int = 7                   # TTT unroll steps; step k weighs step_decay^k
     step_decay: float = 0.8
+    # what the drafter embeds at image rows: fused (SGLang: the store's fused rows) | placeholder (vLLM:
+    # embed(<|media_pad|>)) | auto (the export's engine, SGLang: fused); eagle3/image_embeddings.py
+    image_embeddings: str = "auto"
     max_steps: Optional[int] = None       # optimizer steps; with epochs too, the smaller wins
     epochs: Optional[int] = 1
     grad_accum: int = 1                   # micro-batches per optimizer step (per rank)
@@ -95,6 +99,7 @@ class TrainConfig:
             raise ConfigError("grad_accum, log_every, checkpoint_every must be >= 1; val_every >= 0")
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("unroll", self.unroll, UNROLLS)
+        check_choice("image_embeddings", self.image_embeddings, IMAGE_EMBEDDINGS)
         if str(self.compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile={self.compile!r}: expected one of {COMPILE_CHOICES}")
         check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
