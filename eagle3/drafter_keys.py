@@ -20,7 +20,7 @@ SpecForge 0.2.0 (default true). Both explicit values therefore change the forwar
 reads the SGLang layout: only its absence means standard EAGLE-3 everywhere, so export never writes it
 there (the speculators layout is read only by vLLM and speculators, where ``false`` is unambiguous).
 
-Pure; imports only the standard library.
+Pure; imports only the standard library (and eagle3's stdlib-only modules).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from eagle3.drafter_values import (ANOTHER_INIT, ROPE_TYPES, Finding, architecture_finding, model_type_finding,
                                    rope_type_finding, show)
+from eagle3.image_embeddings import CONFIG_KEY as IMAGE_CONFIG_KEY
 
 ENGINES = {
     "sglang": "SGLang 0.5.14",
@@ -131,6 +132,8 @@ KEYS: tuple[Key, ...] = (
         ("initializer_range", "init std of a fresh drafter"),
         ("eagle_config", "SGLang/vLLM drafter settings (nested keys below)"),
         ("eagle3_aux_hidden_states", "this project's record of the aux hidden-state indices (aux_layers)"),
+        (IMAGE_CONFIG_KEY, "this project's record of what the drafter was trained to read at image rows "
+                           "(image_embeddings: fused | placeholder); no engine reads it"),
     )),
     Key("eagle_aux_hidden_state_layer_ids", "eagle_config", FIELD,
         "which target states fc reads (engine rules: eagle3/aux_layers.py); its length sets fc's width"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from eagle3.serve_launch import ServeChoice, shell
 
@@ -124,8 +124,10 @@ def speculators_embed_note(shipped: bool) -> str:
 
 
 def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: Optional[list[str]],
-                   vllm_cmd: Optional[list[str]], facts: Mapping[str, Any], speculators_embed: bool = False) -> str:
-    """SERVE.md: the commands, the knobs and the evidence behind them, what was checked."""
+                   vllm_cmd: Optional[list[str]], facts: Mapping[str, Any], speculators_embed: bool = False,
+                   images: Sequence[str] = ()) -> str:
+    """SERVE.md: the commands, the knobs and the evidence behind them, image traffic (`images`: its lines,
+    export/image_convention.py), what was checked."""
     def fmt(v: Optional[float], spec: str = ".2f") -> str:
         return "not measured" if v is None else format(v, spec)
 
@@ -156,6 +158,8 @@ def serve_markdown(*, name: str, target: Any, choice: ServeChoice, sglang_cmd: O
         lines.append(f"- eval verdict: {choice.verdict}")
     if choice.note:
         lines.append(f"- note: {choice.note}")
+    if images:
+        lines += ["", "## Image traffic", "", *images]
     lines += ["", "## What the export checked", ""]
     lines += [f"- {k}: {v}" for k, v in facts.items()]
     return "\n".join(lines) + "\n"

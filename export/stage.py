@@ -29,12 +29,14 @@ from eagle3 import aux_layers, export_spec as spec
 from eagle3.checkpoints import INDEX_FILE, index_problems
 from eagle3.dtypes import torch_dtype
 from eagle3.errors import StageError
+from eagle3.image_embeddings import CONFIG_KEY as IMAGE_KEY
 from eagle3.manifest import ManifestError, atomic_write_bytes, read_json, sha256_file, stale_keys, write_manifest
 from eagle3.model import DrafterConfig
 from export.formats import FORMATS, format_dir, formats_of, get_format
 from export.directory import export_tensors, validate_format_dir, write_format_dir
 from export.roundtrip import RoundTripReference, validation_batches
 from eagle3.serve_launch import tensor_parallel
+from export.image_convention import serve_paragraph, trained_convention
 from export.serving import read_serve_choice, serve_markdown
 
 STAGE = "export"
@@ -246,6 +248,12 @@ def run_export(config) -> Path:
 
     served = src.served(config.dtype)  # the config every format writes, parsed once
     configs = build_configs(src, served, config, speculative_tokens=choice.num_steps)
+    try:
+        images, images_from = trained_convention(ckpt, src.drafter_json)
+    except ValueError as e:
+        raise ExportError(f"cannot export {ckpt}", [str(e)]) from e
+    if images is not None:  # SGLang's config.json records it (a key no engine reads: eagle3/drafter_keys.py)
+        configs["sglang"][IMAGE_KEY] = images
     fatal, warnings = compatibility_problems(served, src)
     if fatal:
         raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
@@ -271,15 +279,18 @@ def run_export(config) -> Path:
                                                  f"{src.drafter_json.get('max_position_embeddings')})",
                       "weights dtype": config.dtype,
                       "validated from disk": "every tensor name, shape and dtype; no stray names; d2t/t2d; config fields",
-                      "compatibility warnings": "; ".join(warnings) or "none"})
+                      "compatibility warnings": "; ".join(warnings) or "none",
+                      "image_embeddings (trained)": f"{images} ({images_from})"})
         serve_md = serve_markdown(name=config.name, target=config.target, choice=choice, sglang_cmd=sg_cmd,
-                                  vllm_cmd=vllm_cmd, facts=facts, speculators_embed=config.speculators_embed)
+                                  vllm_cmd=vllm_cmd, facts=facts, speculators_embed=config.speculators_embed,
+                                  images=serve_paragraph(images, images_from))
         atomic_write_bytes(tmp / "SERVE.md", serve_md.encode())
         inputs = {role: Path(p) for role, p in (("capture", config.capture_dir), ("eval", config.eval_dir))
                   if (Path(p) / "manifest.json").is_file()}
         write_manifest(tmp, STAGE, config, inputs=inputs, fingerprints=fingerprints, formats=formats_of(config.format),
                        serve_choice=choice.as_dict(), facts=facts, compatibility_warnings=warnings,
                        sglang_command=sg_cmd, vllm_command=vllm_cmd, hf_indices=src.hf_indices,
+                       image_embeddings=images,
                        aux_ids={"sglang": configs["sglang"][aux_layers.META_KEY],
                                 "vllm": configs["speculators"]["eagle_aux_hidden_state_layer_ids"]})
         _swap_into_place(tmp, out_dir)
