@@ -40,7 +40,7 @@ from eagle3.ttt import TTTCache
 from eagle3.attention_check import checked_attention_kernel
 from eagle3.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
                               kernel_inputs)
-from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, teacher_probs
+from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, embedding_strip, teacher_probs
 from eagle3.wgrad import ALL, WeightGrads, linear, shared_weights
 
 
@@ -128,7 +128,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
                     position_ids: Optional[torch.Tensor] = None,
                     step_denominators: Optional[torch.Tensor] = None,
                     ce_chunk_rows: int = 8192, compiled: bool = False,
-                    attention_kernel: str = "auto") -> UnrollOutput:
+                    attention_kernel: str = "auto", input_embeds: Optional[torch.Tensor] = None) -> UnrollOutput:
     """Same arguments and result as `eagle3.unroll.ttt_unroll` (see there). Right-padded batches
     only (`attention_mask` must be None); flash kernels need bf16/fp16 on CUDA (any float on CPU).
     compiled: run the memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
@@ -172,7 +172,7 @@ def ttt_unroll_fast(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor
     w = _shared_weights(model, grads, dt)
     layer = model.midlayer
     hidden = linear(grads, "fc", aux.to(dt), w["fc"])                      # [B, T, H] (fc, in compute dtype)
-    embeds = model.embed_tokens(ids_strip).to(hidden.dtype)
+    embeds = embedding_strip(model.embed_tokens(ids_strip), input_embeds).to(hidden.dtype)  # (image rows: fused)
     qkv_embed = _norm_linear(grads, "qkv_embed", embeds, layer.input_layernorm, w["qkv_embed"],
                              compiled)                                     # [B, T+K-1, (h+2hkv)d]
     scale = 1.0 / math.sqrt(d)

@@ -27,7 +27,8 @@ from eagle3.choices import UNROLLS
 from eagle3.fast_unroll import ttt_unroll_fast
 from eagle3.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights
 from eagle3.ttt import TTTCache, ttt_position_ids
-from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, teacher_probs
+from eagle3.image_embeddings import token_embeddings
+from eagle3.unroll_common import UnrollOutput, check_unroll_inputs, embedding_strip, teacher_probs
 
 
 def step_position_counts(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor,
@@ -43,7 +44,8 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
                ttt_length: int = 7, *, step_decay: float = 0.8,
                attention_mask: Optional[torch.Tensor] = None,
                position_ids: Optional[torch.Tensor] = None,
-               step_denominators: Optional[torch.Tensor] = None) -> UnrollOutput:
+               step_denominators: Optional[torch.Tensor] = None,
+               input_embeds: Optional[torch.Tensor] = None) -> UnrollOutput:
     """Unroll the drafter `ttt_length` steps over a batch and return the weighted soft-CE loss.
 
     model: an Eagle3Drafter (project_aux / step / logits, buffers d2t [draft_V] and t2d [V]).
@@ -53,6 +55,8 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
     queries off padded keys, so `attention_mask` [B,T] is only needed for left padding.
     position_ids Long [B,T]: step-0 positions (default arange(T)).
     step_denominators fp32 [K]: N_k to divide each step's sum by (default: this batch's counts).
+    input_embeds [B,T,H]: the input embeddings when not embed_tokens(input_ids) (image rows under
+    image_embeddings=fused), shifted by one like the ids (eagle3/unroll_common.embedding_strip).
     """
     B, T = input_ids.shape
     check_unroll_inputs("ttt_unroll", aux, input_ids, last, target_argmax, loss_mask, ttt_length)
@@ -66,11 +70,16 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
     argmax_flat = target_argmax.reshape(-1).long()
 
     hidden = model.project_aux(aux)  # [B, T, H]; casts the store dtype to fc's
+    strip = None
+    if input_embeds is not None:  # x_{t+k+1}'s input embedding at t is strip[:, k + t]
+        ids_strip = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, ttt_length)], dim=1)
+        strip = embedding_strip(model.embed_tokens(ids_strip), input_embeds)
     cache = TTTCache(attention_mask)
     sums, corrects, counts = [], [], []
     for k in range(ttt_length):
         step_ids = shift_left(input_ids, k + 1, 0)                            # x_{t+k+1} at t
-        prenorm = model.step(step_ids, hidden, ttt_position_ids(position_ids, k), cache)  # [B, T, H]
+        prenorm = model.step(step_ids, hidden, ttt_position_ids(position_ids, k), cache,
+                             embeds=None if strip is None else strip[:, k:k + T])  # [B, T, H]
         with torch.no_grad():
             b_idx, t_idx = loss_positions(loss_mask, target_argmax, t2d, step=k).nonzero(as_tuple=True)  # [N]
             src = b_idx * T + t_idx + (k + 1)                                  # teacher position, flat
@@ -97,12 +106,16 @@ class TTTObjective(nn.Module):
     IMPLS = UNROLLS  # the train config's `unroll` choices (eagle3/choices.py)
 
     def __init__(self, drafter: nn.Module, ttt_length: int = 7, step_decay: float = 0.8, impl: str = "auto",
-                 compile: bool = False, attention_kernel: str = "auto"):
+                 compile: bool = False, attention_kernel: str = "auto", image_embeddings: str = "placeholder",
+                 image_token_id: Optional[int] = None):
         """impl: "reference" = `ttt_unroll` (the drafter stepped as at inference); "fast" =
         `eagle3.fast_unroll.ttt_unroll_fast` (same function, flash attention + shared embedding
         projections + fused loss); "auto" = fast on CUDA, reference elsewhere.
         compile: the fast path's memory-bound pieces through torch.compile (eagle3/fast_kernels.py).
-        attention_kernel: the fast path's causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py)."""
+        attention_kernel: the fast path's causal attention kernel, auto | flash | cudnn (eagle3/ttt_flash.py).
+        image_embeddings: what the drafter reads at image rows (input_ids == image_token_id), fused | placeholder
+        (eagle3/image_embeddings.py); under fused a batch carries `image_embeds` [M, H], its image rows in
+        row-major order (train/data.py collate). A text-only batch trains the same under both."""
         super().__init__()
         if impl not in self.IMPLS:
             raise ValueError(f"TTTObjective impl={impl!r}: expected one of {self.IMPLS}")
@@ -112,6 +125,8 @@ class TTTObjective(nn.Module):
         self.impl = impl
         self.compile = compile
         self.attention_kernel = attention_kernel
+        self.image_embeddings = image_embeddings
+        self.image_token_id = image_token_id
 
     def resolved_impl(self, batch: dict) -> str:
         if self.impl != "auto":
@@ -125,6 +140,9 @@ class TTTObjective(nn.Module):
         if self.resolved_impl(batch) == "fast":
             unroll = ttt_unroll_fast
             extra = {"compiled": self.compile, "attention_kernel": self.attention_kernel}
+        input_embeds = token_embeddings(self.drafter.embed_tokens, batch["input_ids"], self.image_embeddings,
+                                        self.image_token_id, batch.get("image_embeds"))
         return unroll(self.drafter, batch["aux"], batch["input_ids"], batch["last"], batch["target_argmax"],
                       batch["loss_mask"], lm_head_rows, self.ttt_length, step_decay=self.step_decay,
-                      attention_mask=batch.get("attention_mask"), step_denominators=step_denominators, **extra)
+                      attention_mask=batch.get("attention_mask"), step_denominators=step_denominators,
+                      input_embeds=input_embeds, **extra)

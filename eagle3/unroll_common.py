@@ -61,3 +61,18 @@ def teacher_probs(last: torch.Tensor, lm_head_rows: torch.Tensor, loss_mask: tor
     row_of = torch.full((B * T,), -1, dtype=torch.long, device=loss_mask.device)
     row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)
     return probs, row_of
+
+
+def embedding_strip(strip: torch.Tensor, input_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+    """The drafter's input embeddings of x_{t+k+1} (k = 0..K-1) at t as one strip [B, T+K-1, H]: `strip` =
+    embed_tokens of the ids' strip (input_ids[:, 1:] then K zeros); `input_embeds` [B, T, H] when the inputs
+    are not embed_tokens(input_ids) (image rows under image_embeddings=fused, eagle3/image_embeddings.py):
+    shifted by one like the ids, embed(0) past the end as before."""
+    if input_embeds is None:
+        return strip
+    B, T = input_embeds.shape[:2]
+    if input_embeds.shape[0] != strip.shape[0] or input_embeds.shape[-1] != strip.shape[-1] or strip.shape[1] < T - 1:
+        raise ValueError(f"input_embeds {tuple(input_embeds.shape)} do not fit the embedding strip "
+                         f"{tuple(strip.shape)}")
+    return torch.cat([input_embeds[:, 1:].to(strip.dtype), strip[:, T - 1:]], dim=1)
+

@@ -112,7 +112,10 @@ class StoreSequences(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         item = self.store[i]
         n = self.max_length
-        return {k: (v[:n] if torch.is_tensor(v) else v) for k, v in item.items()}
+        out = {k: (v[:n] if torch.is_tensor(v) and k != "image_embeds" else v) for k, v in item.items()}
+        if "image_embeds" in item:  # [n_img, H]: the rows of the image positions kept by the cut
+            out["image_embeds"] = item["image_embeds"][: int((out["input_ids"] == self.store.image_token_id).sum())]
+        return out
 
 
 def collate(items: list[dict], pin_memory: bool = False) -> dict:
@@ -120,7 +123,9 @@ def collate(items: list[dict], pin_memory: bool = False) -> dict:
 
     Returns input_ids Long [B,T], loss_mask Bool [B,T] (False on padding), target_argmax Long [B,T],
     aux [B,T,3Ht] and last [B,T,H] in the store dtype (zeros on padding), lengths Long [B],
-    ids (list of sequence ids). Right padding needs no attention mask (see eagle3/unroll.py).
+    ids (list of sequence ids); from an image store also image_embeds [M, H]: the items' fused image rows
+    in row-major order over [B, T] (what eagle3/image_embeddings.token_embeddings scatters). Right padding
+    needs no attention mask (see eagle3/unroll.py).
     pin_memory: allocate the batch in page-locked memory (one copy from the store's memory map
     straight into memory the GPU can read asynchronously)."""
     B = len(items)
@@ -146,6 +151,10 @@ def collate(items: list[dict], pin_memory: bool = False) -> dict:
             out[key][b, :n] = it[key]
             if n < T:
                 out[key][b, n:] = 0  # padding: zeros (False for the mask)
+    if "image_embeds" in first:
+        rows = [it["image_embeds"] for it in items]
+        out["image_embeds"] = buf(sum(len(r) for r in rows), rows[0].shape[-1], dtype=rows[0].dtype)
+        torch.cat(rows, out=out["image_embeds"])
     return out
 
 

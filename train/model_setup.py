@@ -9,6 +9,7 @@ import torch
 
 from eagle3 import target_io
 from eagle3.drafter_io import assert_compatible, save_drafter_dir
+from eagle3.image_embeddings import CONFIG_KEY, check_convention
 from eagle3.init_drafter import build_training_drafter
 from eagle3.model import Eagle3Drafter
 from eagle3.vocab_map import ids_from_d2t
@@ -58,12 +59,15 @@ def drafter_from_state(drafter: Eagle3Drafter, state: dict[str, torch.Tensor]) -
         raise TrainInputError(f"checkpoint weights do not fit the drafter: missing {missing}, unexpected {unexpected}")
 
 
-def write_drafter_dir(drafter: Eagle3Drafter, full_state: Optional[dict], out_dir: Path) -> Path:
+def write_drafter_dir(drafter: Eagle3Drafter, full_state: Optional[dict], out_dir: Path,
+                      image_embeddings: Optional[str] = None) -> Path:
     """Write a drafter directory (fp32 master weights; export casts for serving). `full_state` is
     the gathered state of the wrapped objective (keys `drafter.*`), needed when the live modules
-    hold only shards (FSDP); otherwise the live drafter is written directly."""
+    hold only shards (FSDP); otherwise the live drafter is written directly. image_embeddings: the run's
+    convention, recorded in config.json (eagle3/image_embeddings.CONFIG_KEY; the export carries it)."""
+    extra = {} if image_embeddings is None else {CONFIG_KEY: check_convention(image_embeddings)}
     if full_state is None or _is_live(drafter, full_state):
-        return save_drafter_dir(drafter, out_dir, dtype=torch.float32)
+        return save_drafter_dir(drafter, out_dir, dtype=torch.float32, config_overrides=extra)
     with torch.device("meta"):
         copy = Eagle3Drafter(drafter.config)
     copy = copy.to_empty(device="cpu")
@@ -72,7 +76,7 @@ def write_drafter_dir(drafter: Eagle3Drafter, full_state: Optional[dict], out_di
     missing, unexpected = copy.load_state_dict(state, strict=False)
     if [k for k in missing if k != "embed_tokens.weight"] or unexpected:
         raise RuntimeError(f"gathered state does not fit the drafter: missing {missing}, unexpected {unexpected}")
-    return save_drafter_dir(copy, out_dir, dtype=torch.float32)
+    return save_drafter_dir(copy, out_dir, dtype=torch.float32, config_overrides=extra)
 
 
 def _is_live(drafter: Eagle3Drafter, full_state: dict) -> bool:

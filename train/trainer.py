@@ -30,6 +30,7 @@ from accelerate.utils import gather_object
 from eagle3 import hooks
 from eagle3.conf import as_plain_dict
 from eagle3.errors import StageError
+from eagle3.image_embeddings import resolve as resolve_image_embeddings
 from eagle3.manifest import MANIFEST, sha256_file, write_manifest
 from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
@@ -88,9 +89,11 @@ class Trainer:
         self.lm_head_rows = self.report.pop("lm_head_rows").to(self.device)
         if mixed_precision(config) == "bf16" and not self.fsdp:
             self.drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
+        self.image_embeddings = resolve_image_embeddings(config.image_embeddings)  # what image rows feed the drafter
         self.objective = accelerator.prepare(TTTObjective(
             self.drafter, config.ttt_length, config.step_decay, impl=config.unroll,
-            compile=use_compile(config, self.device), attention_kernel=config.attention_kernel))
+            compile=use_compile(config, self.device), attention_kernel=config.attention_kernel,
+            image_embeddings=self.image_embeddings, image_token_id=inputs.train.image_token_id))
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
         self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
         self.stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length,
@@ -236,7 +239,8 @@ class Trainer:
                              progress=self.config.progress and self.main)
         if self.main and self.config.val_accept_sequences and not self.fsdp:
             res["accept_length"] = simulated_accept_length(self.acc.unwrap_model(self.objective).drafter,
-                                                           self.inputs.val, self.config.val_accept_sequences)
+                                                           self.inputs.val, self.config.val_accept_sequences,
+                                                           self.image_embeddings)
         self.metrics.log(at_step, res, kind="val")
         return res
 
@@ -251,7 +255,8 @@ class Trainer:
                      "scheduler": self.scheduler.state_dict(), "rng": rngs, "run_key": self.key,
                      "nonfinite_skips": c.nonfinite_skips, "tokens_seen": c.tokens_seen,
                      "elapsed_s": self._elapsed(), "val_start": c.val_start, "val_last": c.val_last}
-            ckpt.save_checkpoint(self.ckpt_root, at_step, lambda d: write_drafter_dir(self.drafter, model_state, d),
+            ckpt.save_checkpoint(self.ckpt_root, at_step, lambda d: write_drafter_dir(self.drafter, model_state, d,
+                                                                                    self.image_embeddings),
                                  state, self.config.keep_checkpoints)
         self.acc.wait_for_everyone()
 
@@ -264,7 +269,7 @@ class Trainer:
         cfg, c, out, seconds = self.config, self.counters, self.out, self._elapsed()
         tmp = out / f".tmp-{FINAL}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_drafter_dir(self.drafter, model_state, tmp)
+        write_drafter_dir(self.drafter, model_state, tmp, self.image_embeddings)
         ckpt.write_file_index(tmp, c.step)  # the export verifies final/ against it
         if (out / FINAL).exists():
             shutil.rmtree(out / FINAL)

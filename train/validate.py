@@ -65,16 +65,19 @@ def run_validation(accelerator, objective, store, lm_head_rows: torch.Tensor, co
             "loss_weighted": float((weights * mean).sum()), "positions": count.long().tolist()}
 
 
-def simulated_accept_length(drafter, store, max_sequences: int) -> Optional[dict]:
+def simulated_accept_length(drafter, store, max_sequences: int, image_embeddings: str = "placeholder"
+                            ) -> Optional[dict]:
     """SGLang-convention accept length of the eval stage's replay (rank 0, unwrapped drafter), or None
-    when not asked for or the replay failed. {knob label: accept length}."""
+    when not asked for or the replay failed. {knob label: accept length}. image_embeddings: what the
+    drafter reads at image rows (the run's convention, eagle3/image_embeddings.py)."""
     if max_sequences <= 0:
         return None
     was_training = drafter.training
     drafter.eval()
     try:
         with torch.no_grad():
-            res = simulate_accept_length(drafter, store, max_sequences=max_sequences, progress=False)
+            res = simulate_accept_length(drafter, store, max_sequences=max_sequences, progress=False,
+                                         image_embeddings=image_embeddings)
     except Exception as e:  # never lose a training run to the optional metric; say why it is missing
         log.warning("simulated accept length failed (%s: %s); continuing without it", type(e).__name__, e)
         return None
