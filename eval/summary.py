@@ -56,6 +56,17 @@ def print_summary(report: dict, console=None) -> None:
                 t.add_row(label, name, _f(s["accept_length"]), str(s["cycles"]),
                           " ".join(_f(a) for a in s["acceptance_by_position"]), f"{100 * s['mismatch_rate']:.1f}%")
     console.print(t)
+    traffic = report.get("by_traffic") or {}
+    if (traffic.get("image") or {}).get("sequences"):  # only a store with image traffic gets the split table
+        t = Table(title=f"By traffic (image rows fed as image_embeddings={report.get('image_embeddings')})")
+        for col in ("traffic", "sequences", "step-0 accuracy",
+                    *[f"{label} drafter tau" for label in (report.get("accept") or {})]):
+            t.add_column(col, justify="right")
+        for name, part in traffic.items():
+            step0 = ((part.get("accuracy") or {}).get("step_accuracy") or [None])[0]
+            t.add_row(name, str(part["sequences"]), _f(step0, 3),
+                      *[_f(e["drafter"]["accept_length"]) for e in part["accept"].values()])
+        console.print(t)
     real = report.get("real_loop")
     if real and real.get("knobs"):
         t = Table(title=f"Real speculative decoding ({real['prompts']} prompts, <= {real['max_new_tokens']} tokens)")

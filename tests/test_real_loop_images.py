@@ -116,7 +116,7 @@ def image_world(tiny_k25_target, target, tmp_path_factory):
     return root, save_drafter_dir(new_drafter(tiny_k25_target), root / "drafter", dtype="float32"), rows
 
 
-def test_eval_stage_resolves_auto_and_runs_the_real_loop_on_image_prompts(image_world, tiny_k25_target):
+def test_eval_stage_resolves_auto_and_runs_the_real_loop_on_image_prompts(image_world, tiny_k25_target, capsys):
     root, drafter_dir, rows = image_world
     from eagle3.store import HiddenStateStore
 
@@ -133,8 +133,22 @@ def test_eval_stage_resolves_auto_and_runs_the_real_loop_on_image_prompts(image_
                                          "knobs=[{num_steps:2,topk:1,num_draft_tokens:3}]",
                                          f"image_embeddings={choice}"]), EvalConfig)
         reports[choice] = json.loads((run_eval(cfg) / "report.json").read_text())
+        assert "By traffic" in capsys.readouterr().out
     assert reports["auto"]["image_embeddings"] == "fused"
     assert reports["placeholder"]["image_embeddings"] == "placeholder"
+    # text vs image traffic: one sequence each; the parts add up to the whole
+    for r in reports.values():
+        parts = r["by_traffic"]
+        assert parts["image"]["sequences"] == parts["text"]["sequences"] == 1
+        for key in ("cycles", "tokens", "assistant_positions"):
+            whole = r["accept"]["2/1/3"]["drafter"][key]
+            assert whole == parts["text"]["accept"]["2/1/3"]["drafter"][key] + \
+                parts["image"]["accept"]["2/1/3"]["drafter"][key]
+            assert parts["image"]["accept"]["2/1/3"]["drafter"][key] > 0
+        pos = [a + b for a, b in zip(parts["text"]["accuracy"]["positions"], parts["image"]["accuracy"]["positions"])]
+        assert pos == r["accuracy"]["positions"]
+    # the text sequence scores the same under both conventions, the image one is what they differ on
+    assert json.dumps(reports["auto"]["by_traffic"]["text"]) == json.dumps(reports["placeholder"]["by_traffic"]["text"])
     for r in reports.values():
         real = r["real_loop"]["knobs"]["2/1/3"]
         # the simulation on the target's greedy output (captured with the image rows) agrees with the real loop

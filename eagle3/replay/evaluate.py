@@ -77,6 +77,15 @@ def _progress(it: Iterable, desc: str, total: int, enabled: bool):
     return tqdm(it, desc=desc, total=total, unit="seq", leave=False)
 
 
+TRAFFIC = ("text", "image")  # the eval's traffic split: a sequence with any image token is image traffic
+
+
+def traffic_of(store, s: dict) -> str:
+    """'image' when store item `s` holds an image token (its store's image_token_id), else 'text'."""
+    image_id = getattr(store, "image_token_id", None)
+    return "image" if image_id is not None and bool((s["input_ids"] == image_id).any()) else "text"
+
+
 @torch.no_grad()
 def sequence_embeds(model, store, s: dict, image_embeddings: str = "placeholder") -> Optional[torch.Tensor]:
     """The input embeddings [T, H] the drafter reads for store item `s` under the image_embeddings convention
@@ -246,10 +255,14 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
         acc = AccuracyCounter(ttt_length)
         cover_hit = cover_n = 0
         sims = {k.label: _stats(k, ngram) for k in knobs}
+        by = {tr: {"sequences": 0, "acc": AccuracyCounter(ttt_length), "sims": {k.label: _stats(k, ngram) for k in knobs}}
+              for tr in TRAFFIC}
         for i in _progress(idx, "eval", len(idx), progress):
             s = store[i]
             if s["input_ids"].numel() < 2:
                 continue
+            part = by[traffic_of(store, s)]
+            part["sequences"] += 1
             hits = None
             emb = sequence_embeds(model, store, s, image_embeddings)
             if K > 0:
@@ -257,7 +270,13 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
                                                   K, emb)
                 if accuracy:
                     acc.add(hits, valid)
-            _replay_one(model, s, knobs, sims, ngram, hits, "auto", emb)
+                    part["acc"].add(hits, valid)
+            one = {k.label: _stats(k, ngram) for k in knobs}  # this sequence's counts, added to its traffic's too
+            _replay_one(model, s, knobs, one, ngram, hits, "auto", emb)
+            for label, stats in one.items():
+                for name, st in stats.items():
+                    sims[label][name] += st
+                    part["sims"][label][name] += st
             predicted = s["target_argmax"][:-1][s["loss_mask"][1:].bool()].long()   # greedy tokens of assistant positions
             cover_hit += int(model.t2d.cpu()[predicted].sum())
             cover_n += predicted.numel()
@@ -275,6 +294,12 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
                                           "num_draft_tokens": k.num_draft_tokens},
                                 **{name: st.to_dict() for name, st in sims[label].items()}}
                         for label, k in ((k.label, k) for k in knobs)}
+    # text vs image traffic (a sequence with any image token is image traffic): the same measures, split
+    report["by_traffic"] = {tr: {"sequences": part["sequences"],
+                                 **({"accuracy": part["acc"].to_dict()} if accuracy else {}),
+                                 "accept": {label: {name: st.to_dict() for name, st in part["sims"][label].items()}
+                                            for label in part["sims"]}}
+                            for tr, part in by.items()}
     report["vocab_coverage"] = cover_hit / cover_n if cover_n else float("nan")
     if cover_n and report["vocab_coverage"] < COVERAGE_WARN:
         report["warnings"].append(
