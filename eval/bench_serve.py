@@ -258,5 +258,5 @@ def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:
     (console.print if console is not None else print)(text)
     if report.get("cost_preset"):
         print(f"use it: make eval ARGS=\"cost.preset={report['cost_preset']}\"; make study ARGS=\"cost.preset="
-              f"{report['cost_preset']} cost.verify_ms=null cost.verify_ms_per_token=null cost.draft_step_ms=null\"")
+              f"{report['cost_preset']}\"")
     return out_dir

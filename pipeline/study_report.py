@@ -13,6 +13,7 @@ from typing import Optional
 from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError
 from eagle3.knob_grid import knob_table
+from eagle3.cost_model import FLAT_OF
 from eagle3.cost_presets import resolve_preset
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
 from pipeline.study_stats import mean_std, token_saving, world_difference, world_spread
@@ -282,7 +283,7 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
     result = {"derived": derived(groups, metrics, cfg.primary_knob, cfg.confidence),
               "forgetting": forgetting(groups, cfg.primary_knob),
               "knobs": knob_search({**groups, **ngram_group(out_dir, sorted(worlds))}, lat,
-                                   resolve_preset(cfg.cost.preset)),
+                                   resolve_preset(FLAT_OF.get(cfg.cost.preset))),
               "latencies": {k: getattr(lat, k) for k in ("baseline_token_ms", "verify_ms", "verify_ms_per_token",
                                                           "draft_step_ms", "draft_extend_ms", "source")},
               "plots": plot_curves(groups, inits, metrics, out_dir, zs["points"][0] if zs else None),

@@ -45,3 +45,16 @@ def test_fit_and_bad_input():
         Latencies(baseline_token_ms=0, verify_ms=1)
     with pytest.raises(ValueError, match="accept length"):
         predict(0.5, ACCOUNT_8GPU_PCIE, 2, 3)
+
+
+def test_the_study_prices_with_the_named_assumed_split_and_reports_the_flat_cycle_beside():
+    from eagle3.conf import compose, to_schema
+    from eagle3.cost_model import FLAT_OF, PRESETS
+    from eagle3.schema.study import StudyConfig
+    from eval.stage import latencies_from_config
+
+    lat = latencies_from_config(to_schema(compose("study", []), StudyConfig).cost)
+    assert (lat.verify_ms, lat.verify_ms_per_token, lat.draft_step_ms) == (23.5, 1.5, 1.0)
+    assert lat.source == "preset account_8gpu_pcie_split" and "ASSUMED" in PRESETS["account_8gpu_pcie_split"].source
+    # the split keeps the account's one measured point: 30 ms for the 2/1/3 cycle
+    assert lat.cycle_ms(2, 3) == pytest.approx(PRESETS[FLAT_OF["account_8gpu_pcie_split"]].cycle_ms(2, 3)) == 30.0
