@@ -24,8 +24,8 @@ import torch
 
 from eagle3.conf import compose, to_schema
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
-from pipeline.study import Evaluator, cached_record, checkpoint_every, curve, knobs_of, world_of
-from pipeline.study_report import machine, measured_on, metric_names, value
+from pipeline.study import Evaluator, cached_record, curve, knobs_of, run_overrides, world_of
+from pipeline.study_report import load_records, machine, measured_on, metric_names, value
 from pipeline.study_stats import mean_std, welch_interval
 
 RECORDS = "records"
@@ -37,13 +37,8 @@ def run_label(arm: str, seed: int) -> str:
 
 def arm_overrides(cfg, k25: list[str], arm, seed: int) -> list[str]:
     """The train stage's overrides for one run: the size preset's training settings (+ forwarded
-    `+train.*`), the arm's, then the A/B's own (seed, out_dir, every budget kept, no validation)."""
-    name = run_label(arm.name, seed)
-    return k25 + [f"+init={cfg.init}", f"max_steps={cfg.train_steps}"] + list(cfg.overrides.train) + list(arm.train) + [
-        f"seed={seed}", f"out_dir={Path(cfg.stage_dir) / ('train-' + name)}",
-        f"checkpoint_every={checkpoint_every(cfg.train_steps, cfg.curve.points)}", "keep_checkpoints=0",
-        "val_every=0", f"wandb.mode={cfg.wandb.mode}", f"wandb.project={cfg.wandb.project}",
-        f"wandb.group={arm.name}", f"wandb.name=train-{name}"]
+    `+train.*`), the arm's, then the A/B's own (pipeline/study.run_overrides), grouped by arm on wandb."""
+    return run_overrides(cfg, k25, cfg.init, seed, run_label(arm.name, seed), group=arm.name, extra=arm.train)
 
 
 def run_learning_ab(cfg) -> Path:
@@ -91,8 +86,7 @@ def load_ab_records(records_dir: Path, cfg) -> dict[str, list[dict]]:
 
     by_arm: dict[str, list[dict]] = {a.name: [] for a in cfg.arms}
     worlds = set()
-    for p in sorted(Path(records_dir).glob("*.json")):
-        r = json.loads(p.read_text())
+    for r in load_records(records_dir):
         if r.get("arm") in by_arm and r.get("seed") in cfg.seeds:
             by_arm[r["arm"]].append(r)
             worlds.add((r.get("world") or {}).get("id"))

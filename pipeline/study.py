@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -54,16 +54,21 @@ def run_name(init: str, seed: int, world: int = 0) -> str:
 
 
 def train_overrides(cfg, k25: list[str], init: str, seed: int, world: int = 0) -> list[str]:
-    """The train stage's overrides for one study run: the demo size's training settings (and the
-    forwarded `+train.*`), then the study's (seed, own out_dir, every budget checkpointed and kept,
-    validation only at start and end since the study evaluates the checkpoints, one wandb project
-    grouped by init)."""
+    """The train stage's overrides for one study run (run_overrides), grouped by init on wandb."""
+    return run_overrides(cfg, k25, init, seed, run_name(init, seed, world), group=init)
+
+
+def run_overrides(cfg, k25: list[str], init: str, seed: int, name: str, group: str,
+                  extra: Sequence[str] = ()) -> list[str]:
+    """The train stage's overrides for one run of an orchestrator that measures curves (the study, the
+    learning A/B): the demo size's training settings (and the forwarded `+train.*`), `extra` (an A/B arm's
+    code path), then the orchestrator's own (seed, out_dir `train-<name>`, every budget checkpointed and
+    kept, validation only at start and end since the checkpoints are evaluated, one wandb project)."""
     every = checkpoint_every(cfg.train_steps, cfg.curve.points)
-    name = run_name(init, seed, world)
-    return k25 + [f"+init={init}", f"max_steps={cfg.train_steps}"] + list(cfg.overrides.train) + [
+    return k25 + [f"+init={init}", f"max_steps={cfg.train_steps}"] + list(cfg.overrides.train) + list(extra) + [
         f"seed={seed}", f"out_dir={Path(cfg.stage_dir) / ('train-' + name)}",
         f"checkpoint_every={every}", "keep_checkpoints=0", "val_every=0",
-        f"wandb.mode={cfg.wandb.mode}", f"wandb.project={cfg.wandb.project}", f"wandb.group={init}",
+        f"wandb.mode={cfg.wandb.mode}", f"wandb.project={cfg.wandb.project}", f"wandb.group={group}",
         f"wandb.name=train-{name}"]
 
 

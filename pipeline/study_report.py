@@ -16,7 +16,7 @@ from eagle3.knob_grid import knob_table
 from eagle3.cost_model import FLAT_OF
 from eagle3.cost_presets import resolve_preset
 from eagle3.manifest import atomic_write_bytes, atomic_write_json
-from pipeline.study_stats import mean_std, token_saving, world_difference, world_spread
+from pipeline.study_stats import mean_std, token_saving_pairs, world_difference, world_spread
 
 ZERO_SHOT = "k2_zero_shot"
 RECORDS = "records"   # <out_dir>/records/<name>.json: one per measured drafter
@@ -159,16 +159,10 @@ def derived(groups: dict[str, list[dict]], metrics: list[tuple[str, str]], prima
     final difference (K2 start - scratch) of every metric with its interval (over worlds when there are
     several: pipeline/study_stats.world_difference), and each init's seed and world spread."""
     fast, slow = groups.get("aqmedai_k2", []), groups.get("scratch", [])
-    ratios, pairs, not_reached, at_start = [], 0, 0, 0
-    for w in sorted({world_seed(r) for r in fast + slow}):
-        sav = token_saving(series([r for r in fast if world_seed(r) == w], f"tau {primary}"),
-                           series([r for r in slow if world_seed(r) == w], f"tau {primary}"))
-        ratios += sav["ratios"]
-        pairs, not_reached, at_start = pairs + sav["pairs"], not_reached + sav["not_reached"], at_start + sav["at_start"]
-    m, sd = mean_std(ratios)
-    out = {"primary": primary, "saving": {"ratios": ratios, "mean": m, "std": sd, "min": min(ratios, default=m),
-                                          "max": max(ratios, default=m), "pairs": pairs, "not_reached": not_reached,
-                                          "at_start": at_start},
+    tau = f"tau {primary}"
+    pairs = [(f, s) for f, fr in zip(series(fast, tau), fast) for s, sr in zip(series(slow, tau), slow)
+             if world_seed(fr) == world_seed(sr)]  # a pair compares runs of one world
+    out = {"primary": primary, "saving": token_saving_pairs(pairs),
            "final_difference": {}, "spread": {}}
     for key, title in metrics:
         out["final_difference"][title] = world_difference(by_world(fast, key), by_world(slow, key), confidence)

@@ -93,27 +93,31 @@ def tokens_to_reach(curve: Sequence[tuple[float, float]], target: float) -> Opti
 
 
 def token_saving(fast: Sequence[Sequence[tuple[float, float]]], slow: Sequence[Sequence[tuple[float, float]]]) -> dict:
-    """How many fewer tokens the `fast` runs need to reach the `slow` runs' final value: for every pair
-    (fast run i, slow run j), ratio = slow_j's final tokens / the tokens fast_i needs to reach slow_j's
-    final value. -> {ratios (reached pairs), mean, std, min, max, pairs, not_reached, at_start}; a
+    """How many fewer tokens the `fast` runs need to reach the `slow` runs' final value, over every pair
+    (fast run i, slow run j): token_saving_pairs of the cross product."""
+    return token_saving_pairs([(f, s) for f in fast for s in slow])
+
+
+def token_saving_pairs(pairs: Sequence[tuple[Sequence[tuple[float, float]], Sequence[tuple[float, float]]]]) -> dict:
+    """For each (fast curve, slow curve) pair: ratio = slow's final tokens / the tokens fast needs to reach
+    slow's final value. -> {ratios (reached pairs), mean, std, min, max, pairs, not_reached, at_start}; a
     pair reached already at 0 tokens (the start is as good as the finished slow run) is counted in
     `at_start` and left out of the ratios (its ratio is unbounded)."""
     ratios, not_reached, at_start = [], 0, 0
-    for f in fast:
-        for s in slow:
-            if not s:
-                continue
-            end_tokens, end_value = s[-1]
-            need = tokens_to_reach(f, end_value)
-            if need is None:
-                not_reached += 1
-            elif need <= 0:
-                at_start += 1
-            else:
-                ratios.append(end_tokens / need)
+    for f, s in pairs:
+        if not s:
+            continue
+        end_tokens, end_value = s[-1]
+        need = tokens_to_reach(f, end_value)
+        if need is None:
+            not_reached += 1
+        elif need <= 0:
+            at_start += 1
+        else:
+            ratios.append(end_tokens / need)
     m, sd = mean_std(ratios)
     return {"ratios": ratios, "mean": m, "std": sd, "min": min(ratios, default=float("nan")),
-            "max": max(ratios, default=float("nan")), "pairs": len(fast) * len(slow),
+            "max": max(ratios, default=float("nan")), "pairs": len(pairs),
             "not_reached": not_reached, "at_start": at_start}
 
 

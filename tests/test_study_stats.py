@@ -60,3 +60,14 @@ def test_world_difference_uses_worlds_as_units_and_one_world_falls_back_to_welch
     assert one["level"] == "seeds (one world)" and one == {**st.welch_interval([3.0, 4.0, 5.0], [1.0, 2.0, 3.0]),
                                                            "level": "seeds (one world)", "worlds": 1,
                                                            "per_world": {"0": 2.0}}
+
+
+def test_token_saving_pairs_counts_only_the_pairs_given():
+    fast_a, fast_b = [(0, 1.0), (100, 2.0), (200, 2.2)], [(0, 1.0), (100, 1.5), (200, 2.0)]
+    slow_a, slow_b = [(0, 1.0), (200, 2.0)], [(0, 1.0), (200, 1.5)]
+    within = st.token_saving_pairs([(fast_a, slow_a), (fast_b, slow_b)])  # pairs inside one world each
+    # fast_a reaches 2.0 at 100 tokens: 200 / 100; fast_b reaches 1.5 at 100 tokens: 200 / 100
+    assert within["pairs"] == 2 and within["ratios"] == [2.0, 2.0]
+    cross = st.token_saving([fast_a, fast_b], [slow_a, slow_b])
+    # across worlds too: fast_a reaches 1.5 at 50 (200 / 50), fast_b reaches 2.0 only at 200 (200 / 200)
+    assert cross["pairs"] == 4 and sorted(cross["ratios"]) == [1.0, 2.0, 2.0, 4.0]
