@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -21,18 +20,18 @@ import torch
 
 from eagle3 import aux_layers
 from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import ConfigError, as_plain_dict
+from eagle3.conf import ConfigError
 from eagle3.cost_fit import CostFitError, fit_cycle_costs
 from eagle3.cost_presets import MEASURED_PREFIX, preset_file_body
 from eagle3.manifest import MANIFEST, atomic_write_json, write_manifest
 from eagle3.schema.bench_serve import BenchServeConfig
 from eval import serve_report as rep
 from eagle3.serve_protocol import server_info_speculation
+from eval.wandb_log import log_run
 from eval.serve_client import Unreachable, sglang_server_info
 from eval.stage import drafter_checksum
 from eval.serve_measure import BenchServeError, RequestLog, launch_line, measure, probe, prompts_key
 
-log = logging.getLogger(__name__)
 REPORT, PRESET = "report.json", "cost_preset.json"
 
 
@@ -190,30 +189,16 @@ def fit_costs(cfg: BenchServeConfig, servers: list, measured: dict, report: dict
 
 
 def _log_wandb(cfg: BenchServeConfig, report: dict, out_dir: Path) -> object:
-    if cfg.wandb.mode == "disabled":
-        return None
-    try:
-        import wandb
-
-        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or
-                         f"bench-serve-{cfg.name}", group=cfg.wandb.group, tags=list(cfg.wandb.tags), dir=str(out_dir),
-                         mode=cfg.wandb.mode, config=as_plain_dict(cfg), reinit=True)
-        flat = {}
-        for name, s in report["servers"].items():
-            flat[f"serve/{name}/decode_tok_s"] = s["decode_tok_s_pooled"]
-            flat[f"serve/{name}/ttft_ms"] = s["ttft_ms_mean"]
-            for k, v in (s.get("accept_length") or {}).items():
-                if isinstance(v, float):
-                    flat[f"serve/{name}/accept_length/{k}"] = v
-        for name, c in (report.get("compare") or {}).items():
-            flat[f"serve/{name}/replay_accept_length"] = c["replay_pooled"]
-        flat.update({f"plots/{k}": wandb.Image(str(out_dir / v)) for k, v in report.get("plots", {}).items()})
-        run.log(flat)
-        run.finish()
-        return cfg.wandb.mode
-    except Exception as e:  # logging must never cost the measurement
-        log.warning("wandb logging failed (%s); the report and plots are on disk", e)
-        return f"failed: {e}"
+    flat = {}
+    for name, s in report["servers"].items():
+        flat[f"serve/{name}/decode_tok_s"] = s["decode_tok_s_pooled"]
+        flat[f"serve/{name}/ttft_ms"] = s["ttft_ms_mean"]
+        for k, v in (s.get("accept_length") or {}).items():
+            if isinstance(v, float):
+                flat[f"serve/{name}/accept_length/{k}"] = v
+    for name, c in (report.get("compare") or {}).items():
+        flat[f"serve/{name}/replay_accept_length"] = c["replay_pooled"]
+    return log_run(cfg, f"bench-serve-{cfg.name}", flat, report.get("plots", {}), out_dir)
 
 
 def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:

@@ -7,7 +7,6 @@ manifest names the same config, capture fingerprint and drafter checksum is reus
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,8 +22,8 @@ from eagle3.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerp
                              write_manifest)
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
 from eagle3.schema.eval import EvalConfig
+from eval.wandb_log import log_run
 
-log = logging.getLogger(__name__)
 REPORT = "report.json"
 
 
@@ -128,25 +127,11 @@ def _reusable(out_dir: Path, config: dict, inputs: dict) -> Optional[dict]:
 
 
 def _log_wandb(cfg: EvalConfig, report: dict, out_dir: Path, plots: dict) -> Optional[str]:
-    if cfg.wandb.mode == "disabled":
-        return None
-    try:
-        import wandb
-
-        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or f"eval-{cfg.name}",
-                         group=cfg.wandb.group, tags=list(cfg.wandb.tags), dir=str(out_dir), mode=cfg.wandb.mode,
-                         config=as_plain_dict(cfg), reinit=True)
-        flat = {f"eval/{label}/{name}/accept_length": e[name]["accept_length"]
-                for label, e in report["accept"].items() for name in ("drafter", "ngram")}
-        for k, a in enumerate((report.get("accuracy") or {}).get("step_accuracy", [])):
-            flat[f"eval/acc_step{k}"] = a
-        flat.update({f"plots/{k}": wandb.Image(str(out_dir / v)) for k, v in plots.items()})
-        run.log(flat)
-        run.finish()
-        return cfg.wandb.mode
-    except Exception as e:  # logging must never cost the evaluation
-        log.warning("wandb logging failed (%s); the report and plots are on disk", e)
-        return f"failed: {e}"
+    flat = {f"eval/{label}/{name}/accept_length": e[name]["accept_length"]
+            for label, e in report["accept"].items() for name in ("drafter", "ngram")}
+    for k, a in enumerate((report.get("accuracy") or {}).get("step_accuracy", [])):
+        flat[f"eval/acc_step{k}"] = a
+    return log_run(cfg, f"eval-{cfg.name}", flat, plots, out_dir)
 
 
 def run_eval(cfg: EvalConfig, console=None) -> Path:
