@@ -215,6 +215,11 @@ KEYS: tuple[Key, ...] = (
     Key("eagle_aux_hidden_state_layer_ids", "speculators", FIELD, "vLLM: ids read as hidden-state indices"),
     Key("speculators_config", "speculators", FIELD, "proposal methods and verifier (validated by export)"),
     Key("torch_dtype", "speculators", FIELD, "weight dtype"),
+    # speculators 0.9.0 keeps extra keys (speculators/config.py SpeculatorModelConfig: ConfigDict(extra="allow"),
+    # to_dict = PretrainedConfig's dict + model_dump); vLLM 0.34.0 picks named keys only
+    # (transformers_utils/configs/speculators/algos.py update_eagle3), so the record is read by neither
+    Key(IMAGE_CONFIG_KEY, "speculators", FIELD, "this project's record of what the drafter was trained to read at "
+        "image rows (image_embeddings: fused | placeholder); no engine reads it"),
     Key("dtype", "speculators", FIELD, "weight dtype"),
     _switch("architectures", "model class", {
         "vllm": Reading(ABSENT, _arch("Eagle3Speculator"), "another speculator class"),

@@ -44,6 +44,7 @@ def serve_paragraph(convention: Optional[str], where: str) -> list[str]:
         return [f"Image rows: the drafter's training convention is {where}; {feeds} "
                 "(eagle3/image_embeddings.py)."]
     lines = [f"Image rows: trained with image_embeddings=**{convention}** ({where}); {feeds} "
-             f"(eagle3/image_embeddings.py). config.json records it as `{CONFIG_KEY}`, a key no engine reads."]
+             f"(eagle3/image_embeddings.py). config.json and speculators/config.json record it as `{CONFIG_KEY}`, "
+             "a key no engine reads (speculators 0.9.0 keeps extra config keys; vLLM 0.34.0 reads named keys only)."]
     lines += [f"- **warning**: {w}" for w in (serving_mismatch(convention, e) for e in ENGINE_DEFAULT) if w]
     return lines

@@ -252,8 +252,9 @@ def run_export(config) -> Path:
         images, images_from = trained_convention(ckpt, src.drafter_json)
     except ValueError as e:
         raise ExportError(f"cannot export {ckpt}", [str(e)]) from e
-    if images is not None:  # SGLang's config.json records it (a key no engine reads: eagle3/drafter_keys.py)
+    if images is not None:  # both config.json files record it (a key no engine reads: eagle3/drafter_keys.py)
         configs["sglang"][IMAGE_KEY] = images
+        configs["speculators"][IMAGE_KEY] = images
     fatal, warnings = compatibility_problems(served, src)
     if fatal:
         raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
