@@ -7,7 +7,10 @@ Layout of a store directory:
                               offsets int64 [S+1] (sequence s is rows offsets[s]:offsets[s+1])
                               with image_token_id in the header (an image capture): image_embeds [M, H] (dtype),
                               the target's fused input embedding (projector output) at the image rows only, in
-                              order, and image_offsets int64 [S+1] (sequence s's are image_offsets[s]:[s+1])
+                              order, and image_offsets int64 [S+1] (sequence s's are image_offsets[s]:[s+1]);
+                              with aux_dtype fp8 those rows are fp8 codes + image_scale fp32 [M] (one per row),
+                              read back in `dtype`. image_rows="none" in the header (a vLLM capture, whose
+                              connector cannot give them): no fused rows at all, store[i] has no image_embeds
 
 aux_dtype="float8_e4m3fn" (opt-in; default: aux in `dtype`) halves the aux bytes: `aux` holds fp8 e4m3fn
 codes and `aux_scale` fp32 [N, layers] one scale per (token, captured layer) row (eagle3/fp8.py); the
@@ -37,7 +40,7 @@ import torch
 
 from eagle3.choices import STORE_VERIFY
 from eagle3.fp8 import dequantise_rows
-from eagle3.store_format import (AUX_FP8, DTYPES, HEADER_KEYS, MANIFEST, STORE_FORMAT, STORE_VERSION,
+from eagle3.store_format import (AUX_FP8, DTYPES, FUSED, HEADER_KEYS, MANIFEST, STORE_FORMAT, STORE_VERSION,
                                  NonFiniteHiddenStateError, StoreError, StoreMismatchError, header_value,
                                  read_store_manifest)
 from eagle3.store_writer import HiddenStateWriter, merge_stores
@@ -69,6 +72,9 @@ class HiddenStateStore:
         if self.aux_dtype not in (self.manifest["dtype"], AUX_FP8):
             raise StoreError(f"{self.dir}: aux_dtype {self.aux_dtype!r} is not a format this reader knows "
                              f"({self.manifest['dtype']!r} or {AUX_FP8!r}); update the code or recapture")
+        if header_value(self.manifest, "image_dtype") not in (None, self.manifest["dtype"], AUX_FP8):
+            raise StoreError(f"{self.dir}: image_dtype {self.manifest.get('image_dtype')!r} is not a format this "
+                             f"reader knows; update the code or recapture")
         self.verify = verify
         self._shards = self.manifest["shards"]
         if verify != "none":
@@ -103,6 +109,8 @@ class HiddenStateStore:
     meta = property(lambda self: self.manifest["meta"])
     num_tokens = property(lambda self: int(self.manifest["num_tokens"]))
     image_token_id = property(lambda self: self.manifest.get("image_token_id"))  # None: a text store
+    image_rows = property(lambda self: header_value(self.manifest, "image_rows"))  # None | "fused" | "none"
+    has_fused_image_rows = property(lambda self: self.image_rows == FUSED)  # store[i]["image_embeds"] exists
 
     def __len__(self) -> int:
         return len(self._index)
@@ -144,9 +152,12 @@ class HiddenStateStore:
                 "last": h.get_slice("last")[a:b],
                 "target_argmax": h.get_slice("target_argmax")[a:b].long(),
             }
-            if self.image_token_id is not None:  # [n, H]: n = the sequence's image_token_id positions, in order
+            if self.has_fused_image_rows:  # [n, H]: n = the sequence's image_token_id positions, in order
                 ia, ib = h.get_slice("image_offsets")[j:j + 2].tolist()
-                item["image_embeds"] = h.get_slice("image_embeds")[ia:ib]
+                rows = h.get_slice("image_embeds")[ia:ib]
+                if header_value(self.manifest, "image_dtype") == AUX_FP8:
+                    rows = dequantise_rows(rows, h.get_slice("image_scale")[ia:ib], DTYPES[self.dtype])
+                item["image_embeds"] = rows
                 if ib - ia != int((item["input_ids"] == self.image_token_id).sum()):
                     raise StoreError(f"{ib - ia} image rows stored for "
                                      f"{int((item['input_ids'] == self.image_token_id).sum())} image positions")

@@ -16,7 +16,11 @@ MANIFEST = "manifest.json"
 DTYPES = TORCH_FLOAT_DTYPES  # the store's state dtypes: every float dtype name
 # Header keys that must agree between a resumed writer and the store on disk (and between parts).
 HEADER_KEYS = ("hidden_size", "target_hidden_size", "hf_indices", "dtype", "aux_dtype",
-               "shard_tokens", "meta", "image_token_id")
+               "shard_tokens", "meta", "image_token_id", "image_rows", "image_dtype")
+# An image store's `image_rows`: FUSED keeps the target's fused input embedding of every image row (the HF
+# backend), NO_ROWS keeps none (the vLLM backend: its connector has no h = 0, eagle3/vllm_images.py)
+FUSED, NO_ROWS = "fused", "none"
+IMAGE_ROWS = (FUSED, NO_ROWS)
 
 
 class StoreError(StageError, RuntimeError):
@@ -51,6 +55,12 @@ def read_store_manifest(store_dir: Path) -> dict:
 def header_value(m: dict, key: str):
     if key == "aux_dtype":  # stores written before aux_dtype existed hold aux in `dtype`
         return m.get("aux_dtype") or m.get("dtype")
+    if key == "image_rows":  # None: a text store; image stores written before the key kept fused rows
+        return None if m.get("image_token_id") is None else m.get("image_rows") or FUSED
+    if key == "image_dtype":  # the fused rows' dtype (dtype or AUX_FP8); None where there are none
+        if header_value(m, "image_rows") != FUSED:
+            return None
+        return m.get("image_dtype") or m.get("dtype")
     return m.get(key)
 
 

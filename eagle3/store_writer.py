@@ -19,7 +19,7 @@ import torch
 
 from eagle3.fp8 import FP8_DTYPE, quantise_rows
 from eagle3.manifest import atomic_write_bytes
-from eagle3.store_format import (AUX_FP8, DTYPES, MANIFEST, STORE_FORMAT, STORE_VERSION,
+from eagle3.store_format import (AUX_FP8, DTYPES, FUSED, IMAGE_ROWS, MANIFEST, NO_ROWS, STORE_FORMAT, STORE_VERSION,
                                  NonFiniteHiddenStateError, StoreError, StoreMismatchError, header_diff,
                                  read_store_manifest)
 
@@ -160,17 +160,21 @@ class HiddenStateWriter:
     def __init__(self, out_dir: str | Path, *, hidden_size: int, target_hidden_size: int,
                  hf_indices: list[int], dtype: str = "bfloat16", aux_dtype: str | None = None,
                  shard_tokens: int = 8192, meta: dict | None = None, aux_provenance: dict | None = None,
-                 background: bool = False, image_token_id: int | None = None):
+                 background: bool = False, image_token_id: int | None = None, image_rows: str = FUSED):
         """hf_indices: the Hugging Face hidden-state indices h of the aux states, in fc's order (the physical
         truth; eagle3/aux_layers.py). aux_provenance: how they were chosen (engine rule, source, the ids a
         drafter config listed), recorded in the manifest but not compared on resume. image_token_id: the
         target's image row id (eagle3/media_tokens.py) when the store keeps the fused input embeddings of
-        image rows (`add(..., image_embeds=)`); None for a text store."""
+        image rows (`add(..., image_embeds=)`); None for a text store. image_rows (an image store): FUSED keeps
+        those rows (in fp8 with a scale per row when aux_dtype is fp8, else in `dtype`), NO_ROWS keeps none (a
+        capture whose engine cannot give them: only the placeholder convention can train on it)."""
         if dtype not in DTYPES:
             raise ValueError(f"store dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         aux_dtype = aux_dtype or dtype
         if aux_dtype not in (dtype, AUX_FP8):
             raise ValueError(f"store aux_dtype {aux_dtype!r}: expected null (= dtype {dtype!r}) or {AUX_FP8!r}")
+        if image_rows not in IMAGE_ROWS:
+            raise ValueError(f"image_rows {image_rows!r}: expected one of {IMAGE_ROWS}")
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1")
         self.dir = Path(out_dir)
@@ -186,7 +190,11 @@ class HiddenStateWriter:
                   "aux_dtype": aux_dtype, "shard_tokens": shard_tokens, "meta": json.loads(json.dumps(meta or {}))}
         if image_token_id is not None:  # (absent for text stores: those written before images stay valid)
             header["image_token_id"] = int(image_token_id)
+            header["image_rows"] = image_rows
+            if image_rows == FUSED:
+                header["image_dtype"] = aux_dtype  # the fused rows follow aux: fp8 codes + scales, or dtype
         self.image_token_id = image_token_id
+        self.keep_image_rows = image_token_id is not None and image_rows == FUSED
         self.manifest = {"format": STORE_FORMAT, "version": STORE_VERSION, **header, "complete": False,
                          "num_sequences": 0, "num_tokens": 0, "num_loss_tokens": 0, "shards": [], "skipped": []}
         if (self.dir / MANIFEST).is_file():
@@ -274,9 +282,10 @@ class HiddenStateWriter:
     def _image_rows(self, seq_id: str, input_ids: torch.Tensor, image_embeds: torch.Tensor | None):
         """The sequence's image rows [n, H] in the store dtype on the CPU (n = its image_token_id positions,
         in order), or None for a text store (which refuses image_embeds)."""
-        if self.image_token_id is None:
+        if not self.keep_image_rows:
             if image_embeds is not None:
-                raise StoreError(f"sequence {seq_id!r}: image_embeds given to a store opened without image_token_id")
+                why = "without image_token_id" if self.image_token_id is None else f"with image_rows={NO_ROWS!r}"
+                raise StoreError(f"sequence {seq_id!r}: image_embeds given to a store opened {why}")
             return None
         n = int((input_ids == self.image_token_id).sum())
         if image_embeds is None and n == 0:
@@ -338,9 +347,11 @@ class HiddenStateWriter:
             offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
             tensors = {k: t[: buf.used] for k, t in buf.tensors.items()}
             tensors["offsets"] = offsets
-            if self.image_token_id is not None:  # image rows of sequence s: image_offsets[s]:image_offsets[s+1]
-                tensors["image_embeds"] = torch.cat(buf.images) if buf.images else \
-                    torch.empty(0, self.hidden_size, dtype=self.torch_dtype)
+            if self.keep_image_rows:  # image rows of sequence s: image_offsets[s]:image_offsets[s+1]
+                rows = torch.cat(buf.images) if buf.images else torch.empty(0, self.hidden_size, dtype=self.torch_dtype)
+                if self.aux_fp8:  # [M, H] codes + [M] scales, from the finite store-dtype rows (eagle3/fp8.py)
+                    rows, tensors["image_scale"] = quantise_rows(rows)
+                tensors["image_embeds"] = rows
                 counts = torch.tensor([len(x) for x in buf.images], dtype=torch.int64)
                 tensors["image_offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
             name = f"shard-{len(shards):05d}.safetensors"
