@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
 from eagle3.manifest import atomic_write_json
-from export.formats import get_format
 
 CONFIG, WEIGHTS = spec.CONFIG_FILE, spec.WEIGHTS_FILE
 # Files a server would also pick up as weights (SGLang/vLLM glob the top directory).
@@ -67,10 +66,10 @@ def read_headers(weights: Path) -> dict[str, _Header]:
         return out
 
 
-def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_embeddings: int,
+def validate_format_dir(path: Path, form, *, vocab_size: int, max_position_embeddings: int,
                         hf_indices: list[int], dtype: str,
                         rope: Optional[tuple[float, Any]], embed_tokens: bool | torch.Tensor = False) -> list[str]:
-    """Everything wrong with the `fmt` directory at `path`, read from disk: config fields, every tensor
+    """Everything wrong with the directory of format `form` (an ExportFormat) at `path`, read from disk: config fields, every tensor
     name / shape / dtype, d2t/t2d consistency, non-finite weights, stray weight files. `embed_tokens` (speculators
     only): the directory must also hold `embed_tokens.weight`, equal to this tensor (the target's, [V, H]) when
     one is given; False: it must not."""
@@ -85,7 +84,6 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
     problems = [f"{p.name}: would be loaded as weights too" for p in path.iterdir()
                 if p.is_file() and p.name != WEIGHTS and p.suffix in STRAY_WEIGHT_SUFFIXES]
     draft_v = int(cfg.get("draft_vocab_size") or 0)
-    form = get_format(fmt)
     problems += form.config_problems(cfg, vocab_size=vocab_size, draft_vocab_size=draft_v,
                                      max_position_embeddings=max_position_embeddings,
                                      hf_indices=hf_indices, dtype=dtype, rope=rope)
@@ -98,7 +96,7 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         return problems + [f"{w_path}: unreadable safetensors file ({e})"]
     with_embed = form.ships_embed and embed_tokens is not False
-    problems += spec.tensor_problems(headers, spec.expected_tensors(shape, fmt, torch_dtype(dtype), with_embed))
+    problems += spec.tensor_problems(headers, spec.expected_tensors(shape, form.name, torch_dtype(dtype), with_embed))
     try:
         with safe_open(str(w_path), framework="pt") as f:
             if with_embed and isinstance(embed_tokens, torch.Tensor) and spec.EMBED in headers:
@@ -110,4 +108,4 @@ def validate_format_dir(path: Path, fmt: str, *, vocab_size: int, max_position_e
                                                  if headers[n].dtype in (torch.bfloat16, torch.float16, torch.float32)})
     except Exception as e:
         problems.append(f"{w_path}: cannot read tensor data ({e}); truncated or corrupt file")
-    return [f"{fmt}: {p}" for p in problems]
+    return [f"{form.name}: {p}" for p in problems]

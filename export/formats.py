@@ -49,11 +49,11 @@ def get_format(name: str) -> ExportFormat:
     return FORMATS[name]
 
 
-def formats_of(choice: str) -> list[str]:
+def formats_of(choice: str) -> list[ExportFormat]:
     """export.format's value -> the formats it writes ("both": every one, in table order)."""
-    return list(FORMATS) if choice == "both" else [get_format(choice).name]
+    return list(FORMATS.values()) if choice == "both" else [get_format(choice)]
 
 
-def format_dir(out_dir: Path, fmt: str) -> Path:
-    sub = get_format(fmt).subdir
-    return Path(out_dir) / sub if sub else Path(out_dir)
+def format_dir(out_dir: Path, form: ExportFormat) -> Path:
+    """Where `form`'s directory goes under out_dir."""
+    return Path(out_dir) / form.subdir if form.subdir else Path(out_dir)

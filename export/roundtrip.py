@@ -18,12 +18,9 @@ import torch
 LOGIT_RTOL = 1e-5
 
 
-def validation_batches(store_dir: str | Path, num_sequences: int, max_tokens: int) -> list[dict]:
-    """The first `num_sequences` stored sequences (cut to `max_tokens`), as step-0 drafter inputs:
-    hidden from aux at t, the embedding of token t+1 (DESIGN's TTT indexing, k = 0)."""
-    from eagle3.store import HiddenStateStore
-
-    store = HiddenStateStore(store_dir, verify="size")
+def validation_batches(store, num_sequences: int, max_tokens: int) -> list[dict]:
+    """The first `num_sequences` sequences of `store` (an open HiddenStateStore; cut to `max_tokens`), as step-0
+    drafter inputs: hidden from aux at t, the embedding of token t+1 (DESIGN's TTT indexing, k = 0)."""
     batches = []
     for i in range(min(num_sequences, len(store))):
         seq = store[i]
@@ -78,7 +75,7 @@ class RoundTripReference:
     then (weights rounded in place to the export dtype: no second copy of a large drafter) again."""
 
     def __init__(self, reference, batches: list[dict], dtype: torch.dtype):
-        self.batches = batches
+        self.batches, self.dtype = batches, dtype
         self.logits_full = drafter_logits(reference, batches)
         round_weights_(reference, dtype)
         self.reference = reference
@@ -112,3 +109,13 @@ class RoundTripReference:
         stats.update(max_rel_diff_vs_rounded=worst, max_abs_diff_vs_checkpoint=worst_full,
                      top1_agreement_vs_checkpoint=agree / max(n, 1))
         return problems, stats
+
+
+def describe(stats: dict, store_dir: Path) -> str:
+    """One line of SERVE.md / the manifest: what the round trip compared and found (stats of `check`)."""
+    if "note" in stats:
+        return f"weights identical to the checkpoint's; {stats['note']}"
+    return (f"weights identical to the checkpoint's rounded to the export dtype; logits on {stats['sequences']} "
+            f"sequences / {stats['positions']} positions of {store_dir} (2 draft steps) equal theirs "
+            f"(max rel diff {stats['max_rel_diff_vs_rounded']:.1e}); vs the unrounded checkpoint: max |diff| "
+            f"{stats['max_abs_diff_vs_checkpoint']:.3g}, top-1 agreement {stats['top1_agreement_vs_checkpoint']:.1%}")

@@ -9,6 +9,7 @@ import torch
 from eagle3.conf import compose, to_schema
 from eagle3.drafter_io import load_drafter_dir
 from eagle3.schema.export import ExportConfig
+from eagle3.store import HiddenStateStore
 from eagle3.target_io import load_embed_tokens
 from export.stage import ExportError, run_export
 from export.format_speculators import load_speculators_dir
@@ -75,7 +76,7 @@ def _reference_logits(world, batches, dtype):
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
 def test_round_trip_bf16_matches_the_checkpoint(exported, world, fmt):
-    batches = validation_batches(world["store"], 3, 64)
+    batches = validation_batches(HiddenStateStore(world["store"]), 3, 64)
     assert batches
     ref_rounded, embed = _reference_logits(world, batches, torch.bfloat16)
     ref_full, _ = _reference_logits(world, batches, None)
@@ -91,7 +92,7 @@ def test_round_trip_bf16_matches_the_checkpoint(exported, world, fmt):
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
 def test_round_trip_fp32_export_is_exact(world, tmp_path, fmt):
     out = run_export(export_config(world, f"out_dir={tmp_path / 'fp32'}", "dtype=float32", f"format={fmt}"))
-    batches = validation_batches(world["store"], 3, 64)
+    batches = validation_batches(HiddenStateStore(world["store"]), 3, 64)
     ref, embed = _reference_logits(world, batches, None)
     d = out if fmt == "sglang" else out / "speculators"
     model = (load_drafter_dir(d, embed_tokens=embed, dtype=torch.float32) if fmt == "sglang"

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from eagle3 import export_spec as spec
 from export.directory import export_tensors, validate_format_dir, write_format_dir
+from export.formats import FORMATS
 from export.format_speculators import load_speculators_dir
 from export.serving import speculators_embed_note
 from tests.fixtures.specforge_drafter import SF_CONFIG, H, V, tiny_weights
@@ -43,17 +44,17 @@ def target_embed(seed=3):
 def test_validator_accepts_the_targets_embedding_only_on_request(tmp_path):
     embed = target_embed()
     with_embed = speculators_dir(tmp_path, embed, name="with")
-    assert validate_format_dir(with_embed, "speculators", **KW, embed_tokens=embed) == []
-    assert validate_format_dir(with_embed, "speculators", **KW, embed_tokens=True) == []  # shape-only (reuse)
-    unrequested = validate_format_dir(with_embed, "speculators", **KW)
+    assert validate_format_dir(with_embed, FORMATS["speculators"], **KW, embed_tokens=embed) == []
+    assert validate_format_dir(with_embed, FORMATS["speculators"], **KW, embed_tokens=True) == []  # shape-only (reuse)
+    unrequested = validate_format_dir(with_embed, FORMATS["speculators"], **KW)
     assert any("unexpected tensor 'embed_tokens.weight'" in p for p in unrequested)
-    other = validate_format_dir(with_embed, "speculators", **KW, embed_tokens=target_embed(seed=4))
+    other = validate_format_dir(with_embed, FORMATS["speculators"], **KW, embed_tokens=target_embed(seed=4))
     assert any("is not the target's embedding" in p for p in other)
-    missing = validate_format_dir(speculators_dir(tmp_path, name="without"), "speculators", **KW, embed_tokens=embed)
+    missing = validate_format_dir(speculators_dir(tmp_path, name="without"), FORMATS["speculators"], **KW, embed_tokens=embed)
     assert any("missing tensor 'embed_tokens.weight'" in p for p in missing)
     short = speculators_dir(tmp_path, embed[:-1], name="short")
     assert any("embed_tokens.weight" in p and "shape" in p
-               for p in validate_format_dir(short, "speculators", **KW, embed_tokens=embed))
+               for p in validate_format_dir(short, FORMATS["speculators"], **KW, embed_tokens=embed))
     with pytest.raises(ValueError, match="only into the speculators directory"):
         spec.expected_tensors(spec.DrafterShape.from_hf_dict(SF_CONFIG), "sglang", embed=True)
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
 from export.directory import export_tensors, validate_format_dir, write_format_dir
+from export.formats import FORMATS
 from export.format_speculators import load_speculators_dir
 from tests.fixtures.export_world import AUX_IDS, HF_INDICES, tiny_drafter
 
@@ -84,10 +85,10 @@ def _embed(fmt):
 @pytest.mark.parametrize("case", [_renamed, _wrong_shape, _missing_d2t, _bad_t2d, _fp32_weight, _nan, _embed])
 def test_each_breakage_is_named(tmp_path, fmt, case):
     d = write_dir(tmp_path / fmt, fmt)
-    assert validate_format_dir(d, fmt, **KW) == []
+    assert validate_format_dir(d, FORMATS[fmt], **KW) == []
     change, needle = case(fmt)
     tamper(d, change)
-    problems = validate_format_dir(d, fmt, **KW)
+    problems = validate_format_dir(d, FORMATS[fmt], **KW)
     assert any(needle in p for p in problems), problems
     assert all(p.startswith(f"{fmt}: ") for p in problems)
 
@@ -98,7 +99,7 @@ def test_all_problems_are_listed_together(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["max_position_embeddings"] = 131072 // 64
     (d / "config.json").write_text(json.dumps(cfg))
-    problems = validate_format_dir(d, "sglang", **KW)
+    problems = validate_format_dir(d, FORMATS["sglang"], **KW)
     assert len(problems) == 3, problems
 
 
@@ -108,18 +109,18 @@ def test_config_faults_and_stray_files(tmp_path):
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = HF_INDICES  # right in new SGLang, one off in old
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "pytorch_model.bin").write_bytes(b"old weights")
-    problems = "\n".join(validate_format_dir(d, "sglang", **KW))
+    problems = "\n".join(validate_format_dir(d, FORMATS["sglang"], **KW))
     assert "mean h = [2, 4, 6] only in SGLang with PR #25454" in problems and "h = [3, 5, 7]" in problems
     assert "pytorch_model.bin: would be loaded as weights too" in problems
     (d / "config.json").write_text("{")
-    assert "not valid JSON" in validate_format_dir(d, "sglang", **KW)[0]
+    assert "not valid JSON" in validate_format_dir(d, FORMATS["sglang"], **KW)[0]
 
 
 def test_truncated_weights_file_is_named(tmp_path):
     d = write_dir(tmp_path / "s", "sglang")
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
-    problems = validate_format_dir(d, "sglang", **KW)
+    problems = validate_format_dir(d, FORMATS["sglang"], **KW)
     assert any("model.safetensors" in p and ("unreadable" in p or "corrupt" in p) for p in problems), problems
 
 
@@ -129,7 +130,7 @@ def test_speculators_ids_must_be_hf_indices(tmp_path):
     cfg["eagle_aux_hidden_state_layer_ids"] = AUX_IDS
     del cfg["norm_before_residual"]
     (d / "config.json").write_text(json.dumps(cfg))
-    problems = "\n".join(validate_format_dir(d, "speculators", **KW))
+    problems = "\n".join(validate_format_dir(d, FORMATS["speculators"], **KW))
     assert "vLLM would capture other states than the trained h = [2, 4, 6]" in problems
     assert "norm_before_residual" in problems
 
@@ -151,10 +152,12 @@ def test_the_format_table_is_the_config_choice_list():
     """export.format's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree:
     a format added to one and not the other fails here."""
     from eagle3.choices import EXPORT_FORMATS
-    from export.formats import FORMATS, format_dir, formats_of
+    from export.formats import format_dir, formats_of
 
     assert tuple(FORMATS) == EXPORT_FORMATS
-    assert formats_of("both") == list(EXPORT_FORMATS) and formats_of("speculators") == ["speculators"]
-    assert format_dir(Path("/x"), "sglang") == Path("/x") and format_dir(Path("/x"), "speculators") == Path("/x/speculators")
+    assert [f.name for f in formats_of("both")] == list(EXPORT_FORMATS)
+    assert formats_of("speculators") == [FORMATS["speculators"]]
+    assert format_dir(Path("/x"), FORMATS["sglang"]) == Path("/x")
+    assert format_dir(Path("/x"), FORMATS["speculators"]) == Path("/x/speculators")
     with pytest.raises(ValueError, match="export format 'onnx'"):
         formats_of("onnx")

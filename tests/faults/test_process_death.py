@@ -36,6 +36,7 @@ def files_of(d: Path) -> dict[str, bytes]:
 def test_killed_export_never_leaves_a_partial_directory(pipeline, tmp_path, seed):
     from export.stage import run_export
     from export.directory import validate_format_dir
+    from export.formats import FORMATS
 
     ref = run_export(export_config(pipeline, pipeline["final"], tmp_path / "ref"))
     out = tmp_path / "killed"
@@ -54,7 +55,7 @@ def test_killed_export_never_leaves_a_partial_directory(pipeline, tmp_path, seed
     if out.exists():                       # it finished before the kill: then it is complete and valid
         kw = dict(vocab_size=512, max_position_embeddings=4096, hf_indices=pipeline["hf_indices"],
                   dtype="bfloat16", rope=None)
-        assert validate_format_dir(out, "sglang", **kw) == [] and (out / "manifest.json").is_file()
+        assert validate_format_dir(out, FORMATS["sglang"], **kw) == [] and (out / "manifest.json").is_file()
     run_export(export_config(pipeline, pipeline["final"], out))          # the same command again
     assert files_of(out) == files_of(ref)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".killed.")]

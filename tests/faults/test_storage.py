@@ -171,6 +171,7 @@ def test_corrupted_export_is_detected_and_rewritten_on_rerun(pipeline, tmp_path)
     """A served directory damaged after the export (bit flip in a weight) is not reused as up to date."""
     from export.stage import run_export
     from export.directory import validate_format_dir
+    from export.formats import FORMATS
 
     cfg = export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang")
     out = run_export(cfg)
@@ -188,7 +189,7 @@ def test_corrupted_export_is_detected_and_rewritten_on_rerun(pipeline, tmp_path)
     assert "fc.weight" in names
     kw = dict(vocab_size=512, max_position_embeddings=4096, hf_indices=pipeline["hf_indices"],
               dtype="bfloat16", rope=None)
-    assert any("non-finite" in p for p in validate_format_dir(out, "sglang", **kw))
+    assert any("non-finite" in p for p in validate_format_dir(out, FORMATS["sglang"], **kw))
     run_export(cfg)                                         # not reused: rewritten
     assert (out / "model.safetensors").read_bytes() == good
 
