@@ -1,6 +1,9 @@
 """Files of an exported drafter directory, any format: write (config.json + model.safetensors) and
 validate from disk against `eagle3.export_spec`, through the format's own members (export/formats.py);
 each format's module loads its directory back (export/format_sglang.py, export/format_speculators.py).
+
+`FormatDirectory` is what every format shares, the one place for "write, validate, round trip": each
+format class extends it with its own config, checks and loader.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from safetensors.torch import save_file
 from eagle3 import export_spec as spec
 from eagle3.dtypes import torch_dtype
 from eagle3.manifest import atomic_write_json
+from export.roundtrip import RoundTripReference
+from export.sources import ExportError
 
 CONFIG, WEIGHTS = spec.CONFIG_FILE, spec.WEIGHTS_FILE
 # Files a server would also pick up as weights (SGLang/vLLM glob the top directory).
@@ -109,3 +114,43 @@ def validate_format_dir(path: Path, form, *, vocab_size: int, max_position_embed
     except Exception as e:
         problems.append(f"{w_path}: cannot read tensor data ({e}); truncated or corrupt file")
     return [f"{form.name}: {p}" for p in problems]
+
+
+class FormatDirectory:
+    """The members every ExportFormat shares (export/formats.py): where its directory goes, the check of a
+    written one from disk, and write + validate + round trip. A format class sets `name`, `subdir`,
+    `ships_embed` and adds `build_config`, `config_problems`, `shape_config`, `load`, `serve_command`."""
+    name: str
+    subdir: str = ""
+    ships_embed: bool = False
+
+    def dir_in(self, out_dir: Path) -> Path:
+        """Where this format's directory goes under out_dir ("" = out_dir itself)."""
+        return Path(out_dir) / self.subdir if self.subdir else Path(out_dir)
+
+    def problems(self, out_dir: Path, expected: Mapping[str, Any], embed_tokens: bool | torch.Tensor = False) -> list[str]:
+        """Everything wrong with this format's directory under out_dir (validate_format_dir)."""
+        return validate_format_dir(self.dir_in(out_dir), self, **expected, embed_tokens=embed_tokens)
+
+    def write_checked(self, out_dir: Path, config: Mapping[str, Any], roundtrip: RoundTripReference,
+                      embed: torch.Tensor, ship_embed: bool, expected: Mapping[str, Any]) -> dict:
+        """Write this format's directory under out_dir (the export's temp directory), validate it from disk,
+        load it back and compare it with the checkpoint; returns the round trip's stats. Raises ExportError
+        at the first step that fails."""
+        d, dtype = self.dir_in(out_dir), roundtrip.dtype
+        try:
+            tensors = export_tensors(roundtrip.reference.export_state_dict(), self.name, dtype)
+            if ship_embed:  # the target's, for speculators' Python API (SERVE.md says when)
+                tensors[spec.EMBED] = embed.to(dtype).contiguous().clone()
+            write_format_dir(d, config, tensors, self.name)
+        except Exception as e:  # OSError, or safetensors' own error wrapping one (disk full, quota, EFBIG)
+            raise ExportError(f"writing the {self.name} directory failed", [
+                f"{d}: {e}; free space under {Path(out_dir).parent} and rerun (the previous export, if any, "
+                f"is untouched)"]) from e
+        problems = self.problems(out_dir, expected, embed if ship_embed else False)
+        if problems:
+            raise ExportError(f"the written {self.name} directory failed validation", problems)
+        problems, stats = roundtrip.check(self.load(d, embed))
+        if problems:
+            raise ExportError(f"the {self.name} export does not reproduce the checkpoint", problems)
+        return stats

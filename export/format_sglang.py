@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from eagle3 import export_spec as spec
+from export.directory import FormatDirectory
 from eagle3.serve_launch import sglang_command
 
 
-class SGLang:
+class SGLang(FormatDirectory):
     name = "sglang"
     subdir = ""
     ships_embed = False  # SGLang calls set_embed with the target's

@@ -13,13 +13,14 @@ from safetensors import safe_open
 
 from eagle3 import drafter_keys
 from eagle3 import export_spec as spec
+from export.directory import FormatDirectory
 from eagle3.serve_launch import vllm_command
 
 log = logging.getLogger(__name__)
 SUBDIR = "speculators"
 
 
-class Speculators:
+class Speculators(FormatDirectory):
     name = "speculators"
     subdir = SUBDIR
     ships_embed = True  # on request (export.speculators_embed), for speculators' Python API

@@ -2,8 +2,12 @@
 `FORMATS` is the lookup table the export stage reads (export.format names a key, or "both").
 
 Adding a format is one new module (a class with the members below) and one line in FORMATS; the stage
-(export/stage.py) and the directory checks (export/directory.py) only call these members:
-  - `subdir`: where its directory goes under out_dir ("" = out_dir itself);
+(export/stage.py) and the directory checks (export/directory.py) only call these members. A format class
+extends `export.directory.FormatDirectory`, which gives it the shared ones:
+  - `dir_in(out_dir)`: where its directory goes (its `subdir` under out_dir; "" = out_dir itself);
+  - `problems(out_dir, expected, embed_tokens)`: everything wrong with its written directory, read from disk;
+  - `write_checked(out_dir, config, roundtrip, embed, ship_embed, expected)`: write, validate, round trip;
+and adds its own:
   - `ships_embed`: whether it may hold the target's embedding (export.speculators_embed);
   - `build_config(served, source, ...)`: its config.json from the served DrafterConfig;
   - `config_problems(cfg, ...)`, `shape_config(cfg)`: the checks of a written config, and the SGLang-layout
@@ -24,6 +28,13 @@ class ExportFormat(Protocol):
     name: str
     subdir: str
     ships_embed: bool
+
+    def dir_in(self, out_dir: Path) -> Path: ...
+
+    def problems(self, out_dir: Path, expected: Mapping[str, Any], embed_tokens: Any = False) -> list[str]: ...
+
+    def write_checked(self, out_dir: Path, config: Mapping[str, Any], roundtrip: Any, embed: Any, ship_embed: bool,
+                      expected: Mapping[str, Any]) -> dict: ...
 
     def build_config(self, served: Any, source: Mapping[str, Any], *, hf_indices: Sequence[int], verifier_path: str,
                      verifier_architectures: Sequence[str], speculative_tokens: int) -> dict: ...
@@ -53,7 +64,3 @@ def formats_of(choice: str) -> list[ExportFormat]:
     """export.format's value -> the formats it writes ("both": every one, in table order)."""
     return list(FORMATS.values()) if choice == "both" else [get_format(choice)]
 
-
-def format_dir(out_dir: Path, form: ExportFormat) -> Path:
-    """Where `form`'s directory goes under out_dir."""
-    return Path(out_dir) / form.subdir if form.subdir else Path(out_dir)

@@ -20,17 +20,15 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
 
 import torch
 
-from eagle3 import aux_layers, export_spec as spec
+from eagle3 import aux_layers
 from eagle3.dtypes import torch_dtype
 from eagle3.image_embeddings import CONFIG_KEY as IMAGE_KEY
 from eagle3.manifest import atomic_write_bytes, stale_keys, write_manifest
 from eagle3.serve_launch import tensor_parallel
-from export.directory import export_tensors, validate_format_dir, write_format_dir
-from export.formats import FORMATS, format_dir, formats_of
+from export.formats import FORMATS, formats_of
 from export.image_convention import serve_paragraph, trained_convention
 from export.roundtrip import RoundTripReference, describe, validation_batches
 from export.serving import read_serve_choice, serve_markdown
@@ -53,8 +51,7 @@ def run_export(config) -> Path:
     choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
     embed_of = {f.name: bool(f.ships_embed and config.speculators_embed) for f in forms}  # the target's, on request
     if not stale_keys(out_dir, STAGE, {"config": config, "fingerprints": src.fingerprints}) and not any(
-            validate_format_dir(format_dir(out_dir, f), f, **src.validate_kw, embed_tokens=embed_of[f.name])
-            for f in forms):
+            f.problems(out_dir, src.validate_kw, embed_of[f.name]) for f in forms):
         print(f"export: {out_dir} is up to date with its config and inputs (revalidated from disk); reused")
         print((out_dir / "SERVE.md").read_text())
         return out_dir
@@ -83,17 +80,18 @@ def run_export(config) -> Path:
         reference = load_drafter_dir(ckpt, embed_tokens=embed, dtype=torch.float32)
     except DrafterLoadError as e:
         raise ExportError(f"checkpoint {ckpt} cannot be loaded", [str(e)]) from e
+    weight_dtype = torch_dtype(config.dtype)
     tmp = _fresh_tmp_dir(out_dir)
     try:
         batches = validation_batches(src.store, config.verify_sequences, config.verify_tokens)
         # takes the checkpoint's full-precision logits, then rounds its weights to the export dtype in place:
         # exporting the rounded weights writes exactly what casting the originals would
-        roundtrip = RoundTripReference(reference, batches, torch_dtype(config.dtype))
-        facts = {f"{form.name} round trip": _write_and_check(tmp, form, configs[form.name], roundtrip, embed,
-                                                             embed_of[form.name], src.validate_kw, src.store_dir)
-                 for form in forms}
+        roundtrip = RoundTripReference(reference, batches, weight_dtype)
+        facts = {f"{f.name} round trip": describe(f.write_checked(tmp, configs[f.name], roundtrip, embed,
+                                                                  embed_of[f.name], src.validate_kw), src.store_dir)
+                 for f in forms}
         tp = tensor_parallel(config.target, config.serve.tp)
-        cmds = {f.name: f.serve_command(config, format_dir(out_dir, f), choice, tp) for f in forms}
+        cmds = {f.name: f.serve_command(config, f.dir_in(out_dir), choice, tp) for f in forms}
         sg_cmd, vllm_cmd = cmds.get("sglang"), cmds.get("speculators")
         sg_ids = configs["sglang"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         sg_versions = configs["sglang"][aux_layers.META_KEY]["sglang_versions"]
@@ -126,28 +124,6 @@ def run_export(config) -> Path:
         raise
     print(serve_md)
     return out_dir
-
-
-def _write_and_check(tmp: Path, form, config_json: dict, roundtrip: RoundTripReference, embed: torch.Tensor,
-                     ship_embed: bool, validate_kw: dict, store_dir: Path) -> str:
-    """Write one format's directory under tmp, validate it from disk, load it back and compare it with the
-    checkpoint; returns the round trip's line for SERVE.md. Raises ExportError at the first step that fails."""
-    d, dtype = format_dir(tmp, form), roundtrip.dtype
-    try:
-        tensors = export_tensors(roundtrip.reference.export_state_dict(), form.name, dtype)
-        if ship_embed:  # the target's, for speculators' Python API (SERVE.md says when)
-            tensors[spec.EMBED] = embed.to(dtype).contiguous().clone()
-        write_format_dir(d, config_json, tensors, form.name)
-    except Exception as e:  # OSError, or safetensors' own error wrapping one (disk full, quota, EFBIG)
-        raise ExportError(f"writing the {form.name} directory failed", [
-            f"{d}: {e}; free space under {tmp.parent} and rerun (the previous export, if any, is untouched)"]) from e
-    problems = validate_format_dir(d, form, **validate_kw, embed_tokens=embed if ship_embed else False)
-    if problems:
-        raise ExportError(f"the written {form.name} directory failed validation", problems)
-    problems, stats = roundtrip.check(form.load(d, embed))
-    if problems:
-        raise ExportError(f"the {form.name} export does not reproduce the checkpoint", problems)
-    return describe(stats, store_dir)
 
 
 def _recover_interrupted_swap(out_dir: Path) -> None:

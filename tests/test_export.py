@@ -192,9 +192,9 @@ def test_capture_with_other_layer_ids_is_refused(world, tmp_path):
 def test_failure_after_writing_keeps_the_previous_export(world, tmp_path, monkeypatch):
     out = run_export(export_config(world, f"out_dir={tmp_path / 'e'}", "format=sglang"))
     before = (out / "model.safetensors").read_bytes()
-    import export.stage as export_mod
+    import export.directory as directory_mod
 
-    monkeypatch.setattr(export_mod, "validate_format_dir", lambda *a, **k: ["sglang: injected failure"])
+    monkeypatch.setattr(directory_mod, "validate_format_dir", lambda *a, **k: ["sglang: injected failure"])
     with pytest.raises(ExportError, match="injected failure"):
         run_export(export_config(world, f"out_dir={tmp_path / 'e'}", "format=sglang", "dtype=float32"))
     assert (out / "model.safetensors").read_bytes() == before

@@ -152,12 +152,12 @@ def test_the_format_table_is_the_config_choice_list():
     """export.format's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree:
     a format added to one and not the other fails here."""
     from eagle3.choices import EXPORT_FORMATS
-    from export.formats import format_dir, formats_of
+    from export.formats import formats_of
 
     assert tuple(FORMATS) == EXPORT_FORMATS
     assert [f.name for f in formats_of("both")] == list(EXPORT_FORMATS)
     assert formats_of("speculators") == [FORMATS["speculators"]]
-    assert format_dir(Path("/x"), FORMATS["sglang"]) == Path("/x")
-    assert format_dir(Path("/x"), FORMATS["speculators"]) == Path("/x/speculators")
+    assert FORMATS["sglang"].dir_in(Path("/x")) == Path("/x")
+    assert FORMATS["speculators"].dir_in(Path("/x")) == Path("/x/speculators")
     with pytest.raises(ValueError, match="export format 'onnx'"):
         formats_of("onnx")
