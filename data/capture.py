@@ -170,7 +170,7 @@ def check_tokenizer(cfg, prep_manifest: dict) -> str:
 def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
     """The image row id when the prepared data holds images (an image capture: the store keeps the fused
     input embeddings of those rows), else None. The id prepare rendered must be the target's image_token_id
-    (eagle3/media_tokens.py); the vLLM backend does not capture images yet."""
+    (eagle3/media_tokens.py)."""
     if not (prep_manifest.get("counts") or {}).get("images"):
         return None
     from eagle3.media_tokens import K25_IMAGE_TOKEN_ID
@@ -182,9 +182,6 @@ def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
     want = int(full.get("image_token_id", K25_IMAGE_TOKEN_ID))
     if pad != want:
         raise CaptureError(f"{cfg.in_dir} renders images with id {pad}, the target's image_token_id is {want}")
-    if cfg.backend != "hf":
-        raise CaptureError(f"{cfg.in_dir} holds images: capture.backend={cfg.backend} does not capture images yet "
-                           "(use backend=hf)")
     return want
 
 
@@ -231,7 +228,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         print(f"[capture] {out} is up to date with this config, target and dataset; reusing it")
         return out
     backend = backend_for(cfg.backend)  # data/capture_backends.py; checked before any work
-    backend.check(cfg, hf_indices, L, max_len, dist)
+    backend.check(cfg, hf_indices, L, max_len, dist, image_token_id)
 
     splits = {}
     for split in cfg.splits:
@@ -246,7 +243,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         (out / "manifest.json").unlink(missing_ok=True)
     backend.open(cfg, text_cfg, max_len, dist)
     header = {"hidden_size": H, "target_hidden_size": H, "hf_indices": hf_indices, "aux_provenance": aux.provenance(),
-              "image_token_id": image_token_id}
+              "image_token_id": image_token_id, "image_rows": backend.image_rows}
     results = {}
     for split, ds in splits.items():
         seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
@@ -276,6 +273,7 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
         bytes_per_token = aux_bytes + H * state_bytes + 9
         write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
                        hf_indices=hf_indices, aux_layers=aux.provenance(), image_token_id=image_token_id,
+                       image_rows=backend.image_rows if image_token_id is not None else None,
                        target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
                                "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
                        world_size=dist.world, store_dtype=cfg.dtype, store_aux_dtype=cfg.aux_dtype or cfg.dtype,

@@ -15,6 +15,7 @@ import torch
 from data.capture_plan import CaptureError, Seq, make_batches
 from eagle3 import hooks, target_io
 from eagle3.dtypes import torch_dtype
+from eagle3.store_format import FUSED
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
 
 PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
@@ -23,11 +24,13 @@ PAD_ID = 0  # any valid id: padded positions are masked out of attention and nev
 class HfBackend:
     """The target in this process (transformers), one device per process unless device_map places it."""
     name = "hf"
+    image_rows = FUSED  # an image capture keeps the fused input embedding of every image row
 
     def __init__(self) -> None:
         self.model = None
 
-    def check(self, cfg, hf_indices: list[int], num_layers: int, max_len: int, dist) -> None:
+    def check(self, cfg, hf_indices: list[int], num_layers: int, max_len: int, dist,
+              image_token_id: int | None = None) -> None:
         """Nothing to check before the work: the model load is the work's first step."""
 
     def open(self, cfg, text_cfg: dict, max_len: int, dist) -> None:
@@ -98,23 +101,31 @@ def _fused_embeddings(model, input_ids: torch.Tensor, image_token_id: int, image
     return target_images.fused_input_embeddings(model, input_ids, image_token_id, features)
 
 
-def sequence_images(row: dict, kept_ids: torch.Tensor, image_token_id: int):
-    """(pixel_values, image_grid_thw) of the images a sequence's kept tokens hold (all of them, or the first
-    k when capture truncated it after the k-th image's last row), None without images. Raises CaptureError
-    when the truncation cuts an image (its sequence is skipped)."""
+def kept_image_count(row: dict, kept_ids: torch.Tensor, image_token_id: int) -> int:
+    """How many of a prepared row's images its kept tokens hold: all of them, or the first k when capture
+    truncated the sequence after the k-th image's last row. Raises CaptureError when the truncation cuts an
+    image (its sequence is skipped)."""
     from eagle3 import images as rule
-    from eagle3.target_images import pixel_inputs
 
     data, grid_flat = row.get("images") or [], row.get("image_grid_thw") or []
     n_rows = int((kept_ids == image_token_id).sum())
     if not data and n_rows == 0:
-        return None
+        return 0
     counts = [rule.media_pad_count(grid_flat[3 * i: 3 * i + 3]) for i in range(len(data))]
     ends = [sum(counts[:k]) for k in range(len(counts) + 1)]
     if n_rows not in ends:
         raise CaptureError(f"{n_rows} image rows in the kept tokens match no whole number of the images' "
                            f"{counts} rows (an image cut by max_seq_len, or ids from another tokenizer)")
-    k = ends.index(n_rows)
+    return ends.index(n_rows)
+
+
+def sequence_images(row: dict, kept_ids: torch.Tensor, image_token_id: int):
+    """(pixel_values, image_grid_thw) of the images a sequence's kept tokens hold (kept_image_count), None
+    without images. Raises CaptureError when the truncation cuts an image (its sequence is skipped)."""
+    from eagle3.target_images import pixel_inputs
+
+    data, grid_flat = row.get("images") or [], row.get("image_grid_thw") or []
+    k = kept_image_count(row, kept_ids, image_token_id)
     if k == 0:
         return None
     try:

@@ -18,6 +18,11 @@ resumes (the writer's resume) after deleting the files the interrupted run left.
 never deleted while vLLM's writer still holds its lock (a read that times out on the lock re-requests and
 leaves that file for a sweep once the lock is released). target.dtype=float16 is refused for DeepSeek-family
 targets (vllm_protocol.fp16_rescale_problem).
+
+Images (data/capture_vllm_images.py, eagle3/vllm_images.py): a sequence whose kept tokens hold images goes
+to the chat endpoint (LLM.chat in process) with its images as data URIs; the prompt ids the engine returns
+must be prepare's exactly, else the sequence is a counted skip. The store keeps no fused rows
+(image_rows="none": the connector has no h = 0), so only image_embeddings=placeholder trains on it.
 """
 from __future__ import annotations
 
@@ -30,16 +35,26 @@ from urllib.parse import urlparse
 import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
-from eagle3 import target_io, vllm_protocol
+from data.capture_vllm_images import ImageRequest, ImageSkip, expansion_problem, image_request
+from eagle3 import target_io, vllm_images, vllm_protocol
 from eagle3.dtypes import torch_dtype
 from eagle3.fast_kernels import rms_norm
 from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
+from eagle3.store_format import NO_ROWS
 
 PACKAGE = "vllm"
 
 
 class EngineError(CaptureError):
     """The vLLM engine did not answer, or answered outside the protocol."""
+
+
+class RequestRefused(EngineError):
+    """The engine refused one image request (a client error): that sequence is a counted skip, not the run's end."""
+
+
+Request = "list[int] | ImageRequest"  # a token-id completion, or a chat request with images
+Reply = "tuple[str, int | None, list[int] | None] | RequestRefused"  # (file, greedy token, engine prompt ids)
 
 
 @dataclass
@@ -63,7 +78,8 @@ def engine_max_model_len(cfg, max_len: int) -> int:
     return min(max_len + 1, max_pos)
 
 
-def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> VllmSetup:
+def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int, images: bool = False) -> VllmSetup:
+    """images: the data holds images, so the engine must accept the request chat template (vllm_images)."""
     v = cfg.vllm
     problem = vllm_protocol.fp16_rescale_problem(
         target_io.read_text_config(cfg.target.path, cfg.target.layout), cfg.target.dtype)
@@ -77,7 +93,8 @@ def setup_for(cfg, hf_indices: list[int], num_layers: int, max_len: int) -> Vllm
     cmd = vllm_protocol.serve_command(cfg.target.path, ids, storage, tensor_parallel_size=v.tensor_parallel_size,
                                       max_model_len=engine_max_model_len(cfg, max_len),
                                       trust_remote_code=cfg.target.trust_remote_code, dtype=cfg.target.dtype,
-                                      host=url.hostname or "127.0.0.1", port=url.port or 8000)
+                                      host=url.hostname or "127.0.0.1", port=url.port or 8000,
+                                      extra_flags=(vllm_images.SERVE_FLAG,) if images else ())
     return VllmSetup(ids, aux_pos, last_pos, storage, v.model or str(cfg.target.path), cmd)
 
 
@@ -105,21 +122,28 @@ class ServerEngine:
             raise EngineError(f"the server at {self.base} serves {served}, not {self.setup.model!r} (set "
                               f"vllm.model to its name, or start it with: {self.setup.serve_command})")
 
-    def _one(self, token_ids: list[int]) -> tuple[str, int | None]:
-        body = vllm_protocol.completion_body(self.setup.model, token_ids)
+    def _one(self, request: Request) -> Reply:
+        image = isinstance(request, ImageRequest)
+        body = vllm_images.chat_body(self.setup.model, request.text, request.image_uris) if image else \
+            vllm_protocol.completion_body(self.setup.model, request)
         try:
-            reply = self.http.post(self.base + "/v1/completions", json=body)
+            reply = self.http.post(self.base + (vllm_images.CHAT_PATH if image else "/v1/completions"), json=body)
         except self._httpx.HTTPError as e:
             raise EngineError(f"the vLLM server at {self.base} stopped answering ({type(e).__name__}: {e})") from None
         if reply.status_code != 200:
-            raise EngineError(f"the vLLM server at {self.base} answered HTTP {reply.status_code}: {reply.text[:300]}")
+            said = f"the vLLM server at {self.base} answered HTTP {reply.status_code}: {reply.text[:300]}"
+            if image and reply.status_code == 400 and vllm_images.SERVE_FLAG not in reply.text:
+                return RequestRefused(said)
+            raise EngineError(said + (f" (restart it with: {self.setup.serve_command})" if image else ""))
         try:
-            return vllm_protocol.parse_completion(reply.json(), token_ids)
+            return vllm_images.parse_chat(reply.json()) if image else \
+                (*vllm_protocol.parse_completion(reply.json(), request), None)
         except (ValueError, vllm_protocol.VllmProtocolError) as e:
             raise EngineError(f"the vLLM server at {self.base}: {e}") from None
 
-    def capture(self, batch: list[list[int]]) -> list[tuple[str, int | None]]:
-        futures = [self.pool.submit(self._one, ids) for ids in batch]
+    def capture(self, batch: list) -> list:
+        """One Reply per Request of `batch`, in order."""
+        futures = [self.pool.submit(self._one, r) for r in batch]
         results, first_error = [], None
         for f in futures:
             try:
@@ -127,8 +151,9 @@ class ServerEngine:
             except EngineError as e:
                 first_error = first_error or e
         if first_error is not None:  # the files of the requests that did succeed are not needed any more
-            for path, _ in results:
-                vllm_protocol.remove_states_file(path)
+            for r in results:
+                if not isinstance(r, RequestRefused):
+                    vllm_protocol.remove_states_file(r[0])
             raise first_error
         return results
 
@@ -151,14 +176,29 @@ class InProcessEngine:
         self.llm = vllm.LLM(**kwargs)
         self.params = vllm.SamplingParams(max_tokens=1, temperature=0.0)
 
-    def capture(self, batch: list[list[int]]) -> list[tuple[str, int | None]]:
+    def capture(self, batch: list) -> list:
+        """One Reply per Request of `batch`, in order: the token-id prompts in one `generate` call, each image
+        request in a `chat` call of its own (an image the engine refuses is that sequence's skip)."""
         try:
-            outs = self.llm.generate([{"prompt_token_ids": ids} for ids in batch], self.params, use_tqdm=False)
-            return [vllm_protocol.parse_request_output(o) for o in outs]
+            tokens = [r for r in batch if not isinstance(r, ImageRequest)]
+            outs = iter(self.llm.generate([{"prompt_token_ids": ids} for ids in tokens], self.params,
+                                          use_tqdm=False) if tokens else [])
+            return [self._chat(r) if isinstance(r, ImageRequest) else
+                    (*vllm_protocol.parse_request_output(next(outs)), None) for r in batch]
         except vllm_protocol.VllmProtocolError as e:
             raise EngineError(f"vLLM: {e}") from None
         except Exception as e:  # the engine's own failures (a dead worker, CUDA errors) have many types
             raise EngineError(f"the in-process vLLM engine failed ({type(e).__name__}: {e})") from e
+
+    def _chat(self, request: ImageRequest) -> Reply:
+        try:
+            out = self.llm.chat(vllm_images.chat_messages(request.text, request.image_uris), self.params,
+                                use_tqdm=False, **vllm_images.chat_kwargs())
+        except Exception as e:  # noqa: BLE001 - only the request's own faults (client errors) become a skip
+            if vllm_images.is_client_error(e):
+                return RequestRefused(f"vLLM refused the request ({type(e).__name__}: {e})")
+            raise
+        return vllm_images.parse_chat_output(out[0])
 
     def close(self) -> None:
         pass
@@ -238,7 +278,7 @@ def sweep(deferred: list[str], wait_s: float = 0.0) -> list[str]:
     return live
 
 
-def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, stats: dict,
+def _read(engine, setup: VllmSetup, x: torch.Tensor, request, path: str, H: int, cfg, stats: dict,
           deferred: list[str]) -> torch.Tensor:
     """The sequence's [T, num_ids, H] states; a missing / truncated / still-locked file is asked for
     again. A file whose writer still holds the lock is not deleted (the writer would leave it behind
@@ -258,14 +298,41 @@ def _read(engine, setup: VllmSetup, x: torch.Tensor, path: str, H: int, cfg, sta
                 raise CaptureError(f"{e} (asked {attempt + 1} times); nothing of it was stored: rerun to resume") from None
             print(f"[capture] {e}; asking the engine again")
             stats["re_requested"] += 1
-            path, _ = engine.capture([x.tolist()])[0]
+            reply = engine.capture([request])[0]
+            if isinstance(reply, RequestRefused):  # it was accepted the first time: the engine changed
+                raise CaptureError(f"{reply} (on asking again); rerun to resume") from None
+            path = reply[0]
     raise AssertionError("unreachable")
 
 
+def _requests(batch: list[Seq], rows: list[dict], ids: list[torch.Tensor], writer: HiddenStateWriter,
+              images: tuple | None, stats: dict) -> list:
+    """One Request per sequence (None for one skipped here: its images cannot be sent, counted in the writer).
+    images: (image_token_id, tokenizer) when the data holds images."""
+    out = []
+    for s, r, x in zip(batch, rows, ids):
+        request = x.tolist()
+        if images is not None:
+            try:
+                request = image_request(r, x, images[0], images[1]) or request
+            except ImageSkip as e:
+                _skip(writer, s.id, e, stats)
+                request = None
+        out.append(request)
+    return out
+
+
+def _skip(writer: HiddenStateWriter, seq_id: str, e: ImageSkip, stats: dict) -> None:
+    writer.skip(seq_id, e.reason)
+    stats["image_skips"][e.reason] = stats["image_skips"].get(e.reason, 0) + 1
+    print(f"[capture] skipped {seq_id!r} ({e.reason}): {e.detail}")
+
+
 def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, setup: VllmSetup,
-                  desc: str) -> dict:
+                  desc: str, images: tuple | None = None) -> dict:
     """Capture one split through the engine into `writer` (resuming: committed sequences are skipped;
-    unlike the HF backend a batch is not recomputed whole: the engine runs each request on its own)."""
+    unlike the HF backend a batch is not recomputed whole: the engine runs each request on its own).
+    images: (image_token_id, tokenizer) when the prepared data holds images (data/capture_vllm_images.py)."""
     from tqdm import tqdm
 
     store_dtype = torch_dtype(cfg.dtype)
@@ -277,7 +344,8 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
     batches = make_batches(seqs, cfg.max_tokens_per_batch)
     todo = [[s for s in b if s.id not in writer.done_ids] for b in batches]
     todo = [b for b in todo if b]
-    stats = {"re_requested": 0, "engine_token_agrees": 0, "engine_token_checked": 0}
+    stats = {"re_requested": 0, "engine_token_agrees": 0, "engine_token_checked": 0, "image_requests": 0,
+             "image_skips": {}}
     deferred: list[str] = []  # files whose writers held the lock past vllm.lock_timeout_s
     non_finite: list[str] = []
     total, start, done = sum(s.length for b in todo for s in b), time.time(), 0
@@ -286,17 +354,30 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
             rows = [ds[s.index] for s in batch]
             ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
             masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
+            requests = _requests(batch, rows, ids, writer, images, stats)
+            sent = [k for k, r in enumerate(requests) if r is not None]
+            stats["image_requests"] += sum(isinstance(requests[k], ImageRequest) for k in sent)
             try:
-                replies = engine.capture([x.tolist() for x in ids])
+                replies = dict(zip(sent, engine.capture([requests[k] for k in sent]) if sent else []))
             except EngineError as e:
                 raise EngineError(f"{e}; {done} sequences captured this run, everything committed is kept: start "
                                   f"the engine again and rerun to resume ({setup.serve_command})") from None
-            for k, (s, x, m, (path, greedy)) in enumerate(zip(batch, ids, masks, replies)):
+            for k in sent:
+                s, x, m, reply = batch[k], ids[k], masks[k], replies[k]
+                problem = ImageSkip("engine_refused_image", str(reply)) if isinstance(reply, RequestRefused) else \
+                    None if reply[2] is None else expansion_problem(x.tolist(), reply[2], images[0])
+                if problem is not None:  # this sequence only: its file (if any) is not needed
+                    if not isinstance(reply, RequestRefused) and not vllm_protocol.remove_states_file(reply[0]):
+                        deferred.append(reply[0])
+                    _skip(writer, s.id, problem, stats)
+                    continue
+                path, greedy, _ = reply
                 try:
-                    hs = _read(engine, setup, x, path, H, cfg, stats, deferred)  # [T, num_ids, H]
+                    hs = _read(engine, setup, x, requests[k], path, H, cfg, stats, deferred)  # [T, num_ids, H]
                 except CaptureError:
-                    for later_path, _ in replies[k + 1:]:  # a file still being written stays for the next run
-                        vllm_protocol.remove_states_file(later_path)
+                    for later in sent[sent.index(k) + 1:]:  # a file still being written stays for the next run
+                        if not isinstance(replies[later], RequestRefused):
+                            vllm_protocol.remove_states_file(replies[later][0])
                     raise
                 last, argmax = teacher(hs[:, setup.last_pos])
                 aux = hs[:, setup.aux_pos].reshape(hs.shape[0], -1).to(store_dtype)  # [T, 3H], hf_indices order
@@ -326,13 +407,15 @@ class VllmBackend:
     """capture.backend=vllm as a `CaptureBackend` (data/capture_backends.py): set up and checked before any
     work (one process, the package or the server), then one engine and the checkpoint's teacher head."""
     name = "vllm"
+    image_rows = NO_ROWS  # the connector has no h = 0: an image capture keeps no fused rows (eagle3/vllm_images.py)
 
     def __init__(self) -> None:
         self.setup: VllmSetup | None = None
-        self.engine = self.teacher = None
+        self.engine = self.teacher = self.tokenizer = None
 
-    def check(self, cfg, hf_indices: list[int], num_layers: int, max_len: int, dist) -> None:
-        self.setup = setup_for(cfg, hf_indices, num_layers, max_len)
+    def check(self, cfg, hf_indices: list[int], num_layers: int, max_len: int, dist,
+              image_token_id: int | None = None) -> None:
+        self.setup = setup_for(cfg, hf_indices, num_layers, max_len, images=image_token_id is not None)
         check_engine(cfg, self.setup, dist)
 
     def open(self, cfg, text_cfg: dict, max_len: int, dist) -> None:
@@ -340,7 +423,14 @@ class VllmBackend:
 
     def capture_split(self, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, hf_indices: list[int], dist,
                       desc: str, image_token_id: int | None = None) -> dict:
-        return capture_split(self.engine, self.teacher, ds, seqs, writer, cfg, self.setup, desc)
+        images = None
+        if image_token_id is not None:  # the prompt text is decoded with the target's tokenizer
+            if self.tokenizer is None:
+                from data.prepare import load_tokenizer
+
+                self.tokenizer = load_tokenizer(cfg.target)
+            images = (image_token_id, self.tokenizer)
+        return capture_split(self.engine, self.teacher, ds, seqs, writer, cfg, self.setup, desc, images)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -37,6 +37,7 @@ itself cannot run on the project's machines, so none of this has been exercised 
   tests/test_vllm_sources.py runs that bookkeeping over a prefill in chunks.
 - vllm/entrypoints/openai/completion/protocol.py: `prompt` may be a list of token ids; `return_token_ids`
   echoes them as `choices[0].prompt_token_ids`; `kv_transfer_params` on the response.
+Image prompts go through the chat endpoint: eagle3/vllm_images.py holds those facts.
 speculators 0.9.0 (speculators/data_generation/vllm_client.py) drives the same protocol: max_tokens=1,
 return_token_ids, waits on the .lock, reads `hidden_states` / `token_ids`.
 
@@ -144,14 +145,17 @@ def llm_kwargs(target_path: str | Path, ids: Sequence[int], storage_dir: str | P
 
 
 def serve_command(target_path: str | Path, ids: Sequence[int], storage_dir: str | Path, *, tensor_parallel_size: int,
-                  max_model_len: int | None, trust_remote_code: bool, dtype: str, host: str, port: int) -> str:
-    """The exact `vllm serve ...` line (shell-quoted) that starts an engine this backend can use."""
+                  max_model_len: int | None, trust_remote_code: bool, dtype: str, host: str, port: int,
+                  extra_flags: Sequence[str] = ()) -> str:
+    """The exact `vllm serve ...` line (shell-quoted) that starts an engine this backend can use (`extra_flags`:
+    more switches, e.g. eagle3/vllm_images.SERVE_FLAG for image captures)."""
     args = ["vllm", "serve", str(target_path), "--tensor-parallel-size", str(int(tensor_parallel_size)),
             "--dtype", dtype]
     if max_model_len is not None:
         args += ["--max-model-len", str(int(max_model_len))]
     if trust_remote_code:
         args.append("--trust-remote-code")
+    args += list(extra_flags)
     args += ["--speculative-config", json.dumps(speculative_config(ids), separators=(",", ":")),
              "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir), separators=(",", ":")),
              "--host", host, "--port", str(int(port))]

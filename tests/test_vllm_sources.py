@@ -319,8 +319,8 @@ class SourcesEngine:
                                               usage={"prompt_tokens": T, "completion_tokens": 1, "total_tokens": T + 1})
         return json.loads(reply.model_dump_json())
 
-    def capture(self, batch):
-        return [vllm_protocol.parse_completion(self.run(ids), ids) for ids in batch]
+    def capture(self, batch):  # the backend's Reply: (file, greedy token, engine prompt ids: None for completions)
+        return [(*vllm_protocol.parse_completion(self.run(ids), ids), None) for ids in batch]
 
     def close(self):
         self.worker._executor.shutdown(wait=True)
@@ -345,7 +345,7 @@ def test_a_prefill_in_chunks_writes_the_same_file_as_one_step(vllm, tmp_path, ta
     files = []
     for chunk in (None, 16, 5):
         engine = SourcesEngine(vllm, monkeypatch, cfg, setup, chunk_tokens=chunk)
-        path, _ = engine.capture([ids])[0]
+        path, _, _ = engine.capture([ids])[0]
         files.append(vllm_protocol.read_states_file(path, torch.tensor(ids), len(setup.ids), text["hidden_size"]))
         assert vllm_protocol.remove_states_file(path)
         engine.close()

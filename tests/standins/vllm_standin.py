@@ -10,11 +10,20 @@ the HF mini targets and speaking the protocol of eagle3/vllm_protocol.py (vLLM 0
   max_tokens 1, return_token_ids, kv_transfer_params in the reply), started from the argv of the exact
   `vllm serve ...` line the backend prints (`StandinServer.from_command`), so that line is checked too.
 - `fake_vllm_module()`: a module with `LLM` / `SamplingParams` for the in-process engine.
+- Image prompts (eagle3/vllm_images.py's facts): /v1/chat/completions and `LLM.chat` render the messages the
+  way vLLM does for a "string"-content template (text parts joined by "\n", placeholders missing from the
+  text put in front, a request chat template refused without --trust-request-chat-template), tokenize
+  without special tokens, expand each `<|media_pad|>` by the image rule (eagle3/images.py, what K2.5's
+  processor computes), run the multimodal forward (vision tower, fused embeddings, text model) and return the
+  expanded `prompt_token_ids`; an image that does not decode is a 400.
 
 Faults, by request number (0-based, re-requests count): `drop` (reply, no file), `truncate` (reply, file
 cut short), `die_after` (the server stops answering after that many completions), `write_delay_s`
 (the reply comes first and the file later, under the lock, as vLLM's writer thread does), `hold` (the
-writer holds the lock, file unwritten, until the test sets `release`: a writer slower than any timeout).
+writer holds the lock, file unwritten, until the test sets `release`: a writer slower than any timeout),
+`extra_pads` (image request n -> merged patch rows its engine adds to the first image: an engine whose
+image rule differs, so its expansion and its features both differ from prepare's), `refuse_images` (image requests answered 400, as an image vLLM cannot load). Image requests are
+numbered on their own (0-based), in arrival order.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ class Faults:
     die_after: int | None = None
     write_delay_s: float = 0.0
     hold: set = field(default_factory=set)  # these requests' writers hold the lock until `release` is set
+    extra_pads: dict = field(default_factory=dict)  # image request n -> merged patch rows added to its first image
+    refuse_images: set = field(default_factory=set)  # image requests answered "Failed to load image" (400)
     release: threading.Event = field(default_factory=threading.Event)
 
 
@@ -73,22 +84,29 @@ class StandinEngine:
         L = target_io.read_text_config(target_path, layout)["num_hidden_layers"]
         self.ids, self.storage = engine_settings(speculative_config, kv_transfer_config, L)
         self.model, _ = target_io.load_target(target_path, layout, dtype)
+        self.target_path = target_path
         self.max_model_len, self.faults = max_model_len, faults or Faults()
         self.requests = 0
+        self.image_requests = 0
+        self._tokenizer = None
         self.max_files_seen = 0  # connector files on disk after a write: the client must keep this bounded
         self.writers: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     @torch.no_grad()
-    def run(self, token_ids: list[int]) -> tuple[str, int]:
-        """One request: (file path, greedy next token). The file is complete when the lock is released."""
+    def run(self, token_ids: list[int], images: list | None = None) -> tuple[str, int]:
+        """One request: (file path, greedy next token). The file is complete when the lock is released.
+        images: the request's decoded images (PIL), their rows already expanded in `token_ids`."""
         if self.max_model_len is not None and len(token_ids) + 1 > self.max_model_len:
             raise StandinError(f"prompt of {len(token_ids)} tokens + 1 > max_model_len {self.max_model_len}")
         with self._lock:
             n, self.requests = self.requests, self.requests + 1
             x = torch.tensor([token_ids], dtype=torch.long)
+            inputs = {"input_ids": x}
+            if images:  # the multimodal forward: the text model reads the fused input embeddings
+                inputs = {"inputs_embeds": self._fused(x, images)}
             with target_io.AuxHiddenCapture(self.model, sorted(self.ids)) as cap:
-                target_io.text_model(self.model)(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+                target_io.text_model(self.model)(**inputs, attention_mask=torch.ones_like(x), use_cache=False)
                 states = torch.stack([a[0] for a in cap.aux], dim=1)  # [T, num_ids, H], ascending ids
                 greedy = int(target_io.argmax_from_last(self.model, cap.last[0, -1:])[0])
         path = self.storage / f"standin-{n}{vllm_protocol.FILE_SUFFIX}"
@@ -99,6 +117,69 @@ class StandinEngine:
         if not self.faults.write_delay_s and n not in self.faults.hold:
             write.join()
         return str(path), greedy
+
+    def _fused(self, x: torch.Tensor, images: list) -> torch.Tensor:
+        from eagle3 import images as rule, target_images
+
+        pv, thw = rule.preprocess_many(images)
+        features = target_images.image_features(self.model, torch.from_numpy(pv), torch.from_numpy(thw))
+        try:
+            return target_images.fused_input_embeddings(self.model, x, self.model.config.image_token_id, features)
+        except target_io.TargetError as e:  # vLLM's processor checks the placeholder count the same way
+            raise StandinError(str(e)) from None
+
+    def chat(self, body: dict, trust_request_chat_template: bool) -> tuple[str, int, list[int]]:
+        """A chat request (the HTTP body or LLM.chat's arguments): (file, greedy token, the engine's prompt ids)."""
+        from transformers import AutoTokenizer
+
+        from eagle3 import images as rule, vllm_images
+
+        template = body.get("chat_template")
+        if template is not None and not trust_request_chat_template:
+            raise StandinError("Chat template is passed with request, but --trust-request-chat-template is not "
+                               "set. Refused request with untrusted chat template.")
+        with self._lock:
+            n, self.image_requests = self.image_requests, self.image_requests + 1
+            self._tokenizer = self._tokenizer or AutoTokenizer.from_pretrained(str(self.target_path))
+        tok = self._tokenizer
+        conversation, uris = [], []
+        for m in body["messages"]:  # the "string" content format (renderers/chat_utils/chat_message.py)
+            parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+            mine = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+            missing = len(mine) - text.count(vllm_images.PLACEHOLDER)
+            if missing < 0:
+                raise StandinError(f"Found more '{vllm_images.PLACEHOLDER}' placeholders in input prompt than "
+                                   "actual multimodal data items.")
+            conversation.append({"role": m["role"], "content": "\n".join([vllm_images.PLACEHOLDER] * missing
+                                                                          + ([text] if text else []))})
+            uris += mine
+        prompt = tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                         add_generation_prompt=body.get("add_generation_prompt", True))
+        ids = tok(prompt, add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
+        try:
+            if n in self.faults.refuse_images:
+                raise rule.ImageError("undecodable_image", "cannot identify image file")
+            images = [rule.decode_image(rule.image_bytes(u)) for u in uris]
+        except rule.ImageError as e:
+            raise StandinError(f"Failed to load image: {e}") from None
+        if self.faults.extra_pads.get(n):  # another image rule: the first image comes out `extra` patch rows taller
+            w, h = images[0].size
+            images[0] = images[0].resize((w, h + 2 * rule.PATCH_SIZE * self.faults.extra_pads[n]))
+        pad, expanded, k = self.model.config.image_token_id, [], 0
+        for t in ids:  # KimiK25MultiModalProcessor: each <|media_pad|> -> media_tokens_calculator(image) pads
+            if t == pad:
+                if k >= len(images):
+                    raise StandinError("more <|media_pad|> than images")
+                w, h = images[k].size
+                expanded += [pad] * rule.media_pad_count(rule.grid_thw(h, w))
+                k += 1
+            else:
+                expanded.append(t)
+        if k != len(images):
+            raise StandinError(f"{len(images)} images for {k} placeholders")
+        path, greedy = self.run(expanded, images)
+        return path, greedy, expanded
 
     def _write(self, n: int, path: Path, states: torch.Tensor, tokens: torch.Tensor, fd: int) -> None:
         time.sleep(self.faults.write_delay_s)
@@ -141,6 +222,15 @@ def fake_vllm_module(faults: Faults | None = None, layout: str = "kimi_k25") -> 
             self.tensor_parallel_size = tensor_parallel_size
             mod.engines.append(self.engine)
 
+        def chat(self, messages, sampling_params, *, use_tqdm=True, chat_template=None, add_generation_prompt=True):
+            assert sampling_params.max_tokens == 1
+            body = {"messages": messages, "chat_template": chat_template, "add_generation_prompt": add_generation_prompt}
+            try:
+                path, greedy, ids = self.engine.chat(body, trust_request_chat_template=True)  # offline: no check
+            except StandinError as e:
+                raise ValueError(str(e)) from None  # vLLM's processor / media errors are ValueErrors
+            return [_Completion(ids, [types.SimpleNamespace(token_ids=[greedy])], {vllm_protocol.PATH_PARAM: path})]
+
         def generate(self, prompts, sampling_params, *, use_tqdm=True):
             assert sampling_params.max_tokens == 1
             out = []
@@ -166,6 +256,7 @@ def parse_serve_command(command: str) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-request-chat-template", action="store_true")
     p.add_argument("--speculative-config", type=json.loads, required=True)
     p.add_argument("--kv-transfer-config", type=json.loads, required=True)
     p.add_argument("--host", default="0.0.0.0")
@@ -179,8 +270,9 @@ def parse_serve_command(command: str) -> argparse.Namespace:
 class StandinServer:
     """`vllm serve` for the stand-in engine on 127.0.0.1 (`with StandinServer.from_command(...) as s`)."""
 
-    def __init__(self, engine: StandinEngine, model_name: str, port: int = 0):
+    def __init__(self, engine: StandinEngine, model_name: str, port: int = 0, trust_request_chat_template=False):
         self.engine, self.model_name = engine, model_name
+        self.trust_request_chat_template = trust_request_chat_template
         self.completions = 0
         self.httpd = _QuietServer(("127.0.0.1", port), _handler(self))
         self.httpd.daemon_threads = True
@@ -190,7 +282,7 @@ class StandinServer:
         a = parse_serve_command(command)
         engine = StandinEngine(a.model, layout, a.dtype, a.speculative_config, a.kv_transfer_config,
                                a.max_model_len, faults)
-        return cls(engine, a.model, a.port)
+        return cls(engine, a.model, a.port, a.trust_request_chat_template)
 
     @property
     def url(self) -> str:
@@ -222,6 +314,20 @@ class StandinServer:
                 "kv_transfer_params": {vllm_protocol.PATH_PARAM: path}}
 
 
+    def chat(self, body: dict) -> dict:
+        if body.get("model") != self.model_name:
+            raise StandinError(f"The model `{body.get('model')}` does not exist.")
+        if body.get("max_completion_tokens", body.get("max_tokens")) != 1:
+            raise StandinError("the stand-in serves capture requests only (one token)")
+        path, greedy, ids = self.engine.chat(body, self.trust_request_chat_template)
+        choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length",
+                  "token_ids": [greedy] if body.get("return_token_ids") else None}
+        return {"id": f"chatcmpl-{self.completions}", "object": "chat.completion", "model": self.model_name,
+                "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": 1},
+                "prompt_token_ids": ids if body.get("return_token_ids") else None,
+                "kv_transfer_params": {vllm_protocol.PATH_PARAM: path}}
+
+
 def _handler(server: StandinServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -244,7 +350,7 @@ def _handler(server: StandinServer):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            if self.path != "/v1/completions":
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 return self._json(404, {"detail": "Not Found"})
             die = server.engine.faults.die_after
             if die is not None and server.completions >= die:  # the engine died: no reply, no server
@@ -252,7 +358,7 @@ def _handler(server: StandinServer):
                 threading.Thread(target=server.httpd.shutdown, daemon=True).start()
                 return
             try:
-                reply = server.complete(body)
+                reply = server.complete(body) if self.path == "/v1/completions" else server.chat(body)
             except StandinError as e:
                 return self._json(400, {"object": "error", "message": str(e), "code": 400})
             server.completions += 1
