@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from data.image_messages import has_images
+from data.image_messages import conversation_images, has_images, template_messages
 from data.regen_common import ROUND_TRIP, GenerationFailed, RegenerateError
 from data.round_trip import last_segment, round_trip_len, round_trip_stop
 
@@ -54,12 +54,12 @@ class HFGenerator:
                  seed: Optional[int] = None) -> list[tuple[str, str, Optional[str]]]:
         """(text, finish_reason "stop" | "length", reasoning or None) per message list."""
         torch = self._torch
-        if any(has_images(m) for m in prompts):
-            raise GenerationFailed("image conversation: the hf backend does not feed images to the target yet; "
-                                   "regenerate it through a server (regenerate.backend=openai)")
+        seeing = any(has_images(m) for m in prompts)
         max_new = max_new_tokens or self.max_new_tokens
         temp = self.temperature if temperature is None else temperature
-        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        # a user turn's images become K2.5 image blocks in the text, as prepare renders them
+        texts = [self.tok.apply_chat_template(template_messages(m) if seeing else m, tokenize=False,
+                                              add_generation_prompt=True) for m in prompts]
         ids = self.tok(texts, add_special_tokens=False)["input_ids"]
         longest = max(len(x) for x in ids)
         if self.max_positions and longest + max_new > self.max_positions:
@@ -86,6 +86,8 @@ class HFGenerator:
 
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [round_trip_stop(self.tok, longest, self.stop_ids, self.end_think)])
+        if seeing:  # the target's multimodal forward: its projector's rows at the image ids (eagle3/target_images.py)
+            kwargs["inputs_embeds"] = self._fused_embeddings(prompts, batch)
         with torch.no_grad():
             out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device), **kwargs)
         results = []
@@ -99,6 +101,28 @@ class HFGenerator:
             decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
             results.append((decode(answer), reason, decode(reasoning) if reasoning is not None else None))
         return results
+
+    def _fused_embeddings(self, prompts: list[list[dict]], batch):
+        """[B, T, H] input embeddings of the left-padded `batch` with every image's features at its
+        `<|media_pad|>` rows (images in row-major order, as the prompts hold them). A target without a vision
+        tower, or whose image_token_id is not the tokenizer's pad, fails the conversation."""
+        from eagle3.media_tokens import MediaTokenError, image_token_id
+        from eagle3.target_images import fused_input_embeddings, image_features, pixel_inputs
+        from eagle3.target_io import TargetError
+
+        try:
+            pad_id = image_token_id(self.tok, self.model.config.to_dict())
+            data, grids = [], []
+            for m in prompts:
+                d, g = conversation_images(m)
+                data += d
+                grids += [x for row in g for x in row]
+            pixel_values, thw = pixel_inputs(data, grids)
+            with self._torch.no_grad():
+                feats = image_features(self.model, pixel_values, thw)
+                return fused_input_embeddings(self.model, batch.to(self._device), pad_id, feats)
+        except (MediaTokenError, TargetError) as e:
+            raise GenerationFailed(f"image conversation: {e}") from e
 
     def _cut_row(self, row: list[int], reason: str) -> tuple[list[int], str]:
         """The row up to where its last segment (the answer, or the reasoning still open) stops

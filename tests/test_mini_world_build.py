@@ -20,6 +20,8 @@ TINY = [
     "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.num_attention_heads=2",
     "k2_train.steps=6", "k2_train.batch_size=4", "k2_train.seq_len=64", "k2_train.warmup_steps=2",
     "k25_train.steps=4", "k25_train.batch_size=4", "k25_train.seq_len=64", "k25_train.warmup_steps=1",
+    "vision.train.steps=4", "vision.train.batch_size=4", "vision.pool_examples=16", "vision.text_batch_size=2",
+    "vision.train.seq_len=64", "vision.hidden_size=16", "vision.intermediate_size=32",
     "num_threads=1",  # tiny ops: one thread is fastest, and tests run next to other jobs
 ]
 
@@ -43,12 +45,17 @@ def test_tiny_world_artifacts_load(tiny_world):
     cfg, out = tiny_world
     assert out == __import__("pathlib").Path(cfg.out_dir)
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    assert len(tok) == 400 and "<|im_assistant|>" in tok.chat_template
+    # 400 trained ids + K2.5's four media tokens after them (one tokenizer for both targets, as K2 / K2.5)
+    assert len(tok) == 404 and "<|im_assistant|>" in tok.chat_template
+    assert tok.convert_tokens_to_ids("<|media_pad|>") == 402
     k2 = DeepseekV3ForCausalLM.from_pretrained(str(out / "k2-mini"))
-    assert k2.config.num_hidden_layers == 8 and k2.config.vocab_size == 400 and k2.config.num_mtp_layers == 0
+    assert k2.config.num_hidden_layers == 8 and k2.config.vocab_size == 404 and k2.config.num_mtp_layers == 0
+    assert "vision_config" not in json.loads((out / "k2-mini" / "config.json").read_text())  # K2 reads text only
     k25 = Kimi_K25ForConditionalGeneration.from_pretrained(str(out / "k25-mini"))
     kcfg = json.loads((out / "k25-mini" / "config.json").read_text())
     assert kcfg["model_type"] == "kimi_k25" and kcfg["tie_word_embeddings"] is False
+    assert kcfg["image_token_id"] == 402 and kcfg["text_config"]["vocab_size"] == 404
+    assert kcfg["vision_config"]["patch_size"] == 14 and kcfg["vision_config"]["pos_emb_height"] == 56 // 14
     # k25-mini was trained further: same shapes, different weights, different logits
     ids = tok.apply_chat_template([{"role": "user", "content": "def f(x): return x"}], add_generation_prompt=True,
                                   tokenize=False)
@@ -63,7 +70,8 @@ def test_tiny_world_artifacts_load(tiny_world):
 def test_tiny_world_report_and_training_happened(tiny_world):
     cfg, out = tiny_world
     r = json.loads((out / "report.json").read_text())
-    assert r["source"]["read"] == 400 and r["tokenizer"]["vocab_size"] == 400
+    assert r["source"]["read"] == 400 and r["tokenizer"]["vocab_size"] == 404
+    assert r["tokenizer"]["media_token_ids"]["<|media_pad|>"] == 402
     for name in ("k2-mini", "k25-mini"):
         t = r["models"][name]["train"]
         assert t["steps"] in (6, 4) and t["final_loss"] < t["first_loss"]  # it learned something
@@ -71,6 +79,9 @@ def test_tiny_world_report_and_training_happened(tiny_world):
         for dist in ("k2_mini", "k25_mini"):
             p = r["perplexity"][name][dist]
             assert 1 < p["ppl"] < 400 * 2 and 0 < p["tokens"] <= 400
+    seeing = r["models"]["k25-mini"]["train"]["vision"]
+    assert seeing["steps"] == 4 and seeing["image_examples"] == 16
+    assert r["vision"]["held_out_answers"]["scenes"] == 12 and r["vision"]["corpus_image_conversations"] == 3
     assert 0 < r["token_shift"]["total_variation"] < 1
     assert set(r["times_s"]) >= {"tokenizer", "k2-mini", "k25-mini", "perplexity", "total"}
     m = read_manifest(out, "mini_world")
@@ -80,11 +91,17 @@ def test_tiny_world_report_and_training_happened(tiny_world):
 def test_tiny_world_corpora_are_held_out(tiny_world):
     cfg, out = tiny_world
     corpora = {}
-    for name, n in (("k2_mini", 12), ("k25_mini", 10)):
-        rows = [json.loads(l) for l in (out / "corpus" / f"{name}.jsonl").read_text().splitlines()]
-        assert len(rows) == n
-        assert all(set(r) == {"id", "conversations"} and r["conversations"][0]["from"] for r in rows)
-        corpora[name] = {r["id"] for r in rows}
+    rows = {}
+    for name, n in (("k2_mini", 12), ("k25_mini", 13)):
+        rows[name] = [json.loads(l) for l in (out / "corpus" / f"{name}.jsonl").read_text().splitlines()]
+        assert len(rows[name]) == n
+        corpora[name] = {r["id"] for r in rows[name]}
+    assert all(set(r) == {"id", "conversations"} and r["conversations"][0]["from"] for r in rows["k2_mini"])
+    # the K2.5 corpus: every 4th record an image conversation (OpenAI parts, the image as a PNG data URI)
+    images = [r for r in rows["k25_mini"] if "messages" in r]
+    assert [i for i, r in enumerate(rows["k25_mini"]) if "messages" in r] == [3, 7, 11] and len(images) == 3
+    first = images[0]["messages"][0]["content"]
+    assert first[0]["image_url"]["url"].startswith("data:image/png;base64,") and first[1]["type"] == "text"
     assert not corpora["k2_mini"] & corpora["k25_mini"]
     # every corpus record is a real source record, verbatim
     from data.corpus import sharegpt_package_path

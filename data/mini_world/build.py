@@ -4,8 +4,10 @@ Stages (each timed; the finished ones are reused on a rerun, so a killed build r
   read + split   ShareGPT records -> K2 (prose) / K2.5 (code) x eval / corpus / train
   tokenizer      byte-level BPE on both training parts, Kimi-style specials + chat template
   k2-mini        DeepSeek-V3 (MLA + MoE) trained from scratch on the K2 part     (causal-LM layout)
-  k25-mini       k2-mini trained further on the K2.5 part                         (Kimi-K2.5 layout)
-  corpus         held-out conversations -> corpus/<target>.jsonl (prepare's default input)
+  k25-mini       k2-mini trained further on the K2.5 part, then given a tiny vision tower + projector
+                 trained jointly with it on synthetic scenes (data/mini_world/vision.py)  (Kimi-K2.5 layout)
+  corpus         held-out conversations -> corpus/<target>.jsonl (prepare's default input); the K2.5
+                 corpus holds held-out image conversations too (every vision.corpus_every-th record)
   report         parameter counts, held-out perplexity of both models on both distributions
 A rerun whose manifest matches the build key (config minus paths, plus the source's fingerprint)
 does nothing.
@@ -24,6 +26,7 @@ from eagle3.conf import as_plain_dict
 from eagle3.cpu_threads import auto_threads
 from eagle3.errors import StageError
 from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
+from eagle3.media_tokens import media_token_ids
 from eagle3.schema.mini_world import MiniWorldConfig
 from eagle3.world import deterministic_algorithms, deterministic_ops_note, weights_fingerprint
 
@@ -31,12 +34,14 @@ from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
 from data.mini_world.lm import encode_until, pack_blocks, perplexity, resolve_device, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, split_conversations
-from data.mini_world.tokenizer import IM_END, special_token_ids
+from data.mini_world import vision as eyes
+from data.mini_world.tokenizer import IM_END, add_media_tokens_to, special_token_ids
 
 STAGE = "mini_world"
 # Bump when the code changes what is built from the same config (e.g. the chat template), so an
-# old world is rebuilt rather than reused. 2: no default system turn in the chat template.
-BUILD_VERSION = 2
+# old world is rebuilt rather than reused. 2: no default system turn in the chat template. 3: the media
+# tokens in the tokenizer, k25-mini sees (vision tower trained), image conversations in the K2.5 corpus.
+BUILD_VERSION = 3
 TARGET_NAMES = {PROSE: "k2_mini", CODE: "k25_mini"}  # = conf/target/*.yaml names: corpus/<name>.jsonl
 MODEL_DIRS = {PROSE: "k2-mini", CODE: "k25-mini"}
 
@@ -63,7 +68,8 @@ def _stage_keys(key: dict) -> dict:
             "version": key["build_version"]}
     tok = {**data, "tokenizer": c["tokenizer"]}
     k2 = {**tok, "model": c["model"], "train": c["k2_train"], "max_tok": c["max_tokens_per_conversation"]}
-    return {"tokenizer": _key(tok), "k2-mini": _key(k2), "k25-mini": _key({**k2, "train2": c["k25_train"]})}
+    k25 = {**k2, "train2": c["k25_train"], "vision": c["vision"]}
+    return {"tokenizer": _key(tok), "k2-mini": _key(k2), "k25-mini": _key(k25)}
 
 
 class _Stages:
@@ -139,8 +145,8 @@ def _param_counts(model) -> dict:
             "embedding": c.vocab_size * c.hidden_size, "lm_head": c.vocab_size * c.hidden_size}
 
 
-def _write_jsonl(path: Path, convs) -> None:
-    data = "".join(json.dumps(c.sharegpt(), ensure_ascii=False) + "\n" for c in convs)
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     atomic_write_bytes(path, data.encode("utf-8"))
 
 
@@ -211,9 +217,16 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     weights = {name: weights_fingerprint(out / name) for name in MODEL_DIRS.values()}
 
     t = time.perf_counter()
-    for kind in (PROSE, CODE):
-        _write_jsonl(out / "corpus" / f"{TARGET_NAMES[kind]}.jsonl", parts[(kind, "corpus")])
+    _write_jsonl(out / "corpus" / f"{TARGET_NAMES[PROSE]}.jsonl", [c.sharegpt() for c in parts[(PROSE, "corpus")]])
+    k25_text = [c.sharegpt() for c in parts[(CODE, "corpus")]]
+    v = cfg.vision
+    k25_images = eyes.corpus_records(len(k25_text) // (v.corpus_every - 1), seed=cfg.seed + 20, size=v.image_size,
+                                     max_turns=v.max_turns)  # held out: another seed than the training pool's
+    _write_jsonl(out / "corpus" / f"{TARGET_NAMES[CODE]}.jsonl", eyes.interleave(k25_text, k25_images, v.corpus_every))
     stages.times["corpus"] = time.perf_counter() - t
+    t = time.perf_counter()
+    seeing = _seeing_check(cfg, out, tok)
+    stages.times["seeing_check"] = time.perf_counter() - t
 
     t = time.perf_counter()
     device = resolve_device(cfg.device)
@@ -227,12 +240,15 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
 
     report = {
         "source": stats.as_dict(), "skipped": dict(split.skipped), "parts": split.counts(),
-        "tokenizer": {"vocab_size": len(tok), "special_token_ids": special_token_ids(tok)},
+        "tokenizer": {"vocab_size": len(tok), "special_token_ids": special_token_ids(tok),
+                      "media_token_ids": media_token_ids(tok)},
         "token_shift": _token_shift(enc[PROSE]["train"], enc[CODE]["train"], len(tok), top=len(tok) // 8),
         "models": {n: {"params": _param_counts(m), "layers": m.config.num_hidden_layers,
                        "hidden_size": m.config.hidden_size,
                        "train": json.loads((out / n / "train_stats.json").read_text())}
                    for n, m in (("k2-mini", k2), ("k25-mini", k25))},
+        "vision": {"image_size": cfg.vision.image_size, "corpus_image_conversations": len(k25_images),
+                   "vision_params": seeing.pop("vision_params"), "held_out_answers": seeing},
         "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads, "device": str(device),
         "times_s": {k: round(v, 1) for k, v in stages.times.items()},
         "weights": weights, "determinism": {"ops": nondeterministic, "note": deterministic_ops_note(nondeterministic)},
@@ -296,6 +312,7 @@ def _tokenizer_stage(cfg, out: Path, stages: _Stages, parts):
         _log(f"tokenizer: training byte-level BPE ({cfg.tokenizer.vocab_size} ids) on {len(texts):,} "
              f"conversations, {total / 1e6:.1f}M chars")
         ck.train_tokenizer(texts, cfg.tokenizer.vocab_size, out / "tokenizer", min_frequency=cfg.tokenizer.min_frequency)
+        add_media_tokens_to(out / "tokenizer")  # K2.5's image block tokens, 4 ids after the trained vocabulary
         stages.mark("tokenizer")
     stages.times["tokenizer"] = time.perf_counter() - t
     return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
@@ -332,13 +349,57 @@ def _model_stage(cfg, out: Path, stages: _Stages, tok, name: str, train_seqs, tr
     stats["blocks_available"] = len(blocks)
     if name == "k2-mini":
         ck.save_causal_lm(model, out / "tokenizer", out / name)
-    else:
-        ck.save_kimi_k25(model, out / "tokenizer", out / name, seed=cfg.seed)
+    else:  # k25-mini sees: its vision tower + projector trained jointly with the LM, then saved as Kimi-K2.5
+        stats["vision"] = _train_vision(cfg, out / name, tok, model, train_seqs, device)
     atomic_write_json(out / name / "train_stats.json", stats)
     stages.mark(name)
     stages.times[name] = time.perf_counter() - t
     _log(f"{name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} in {stages.times[name]:.0f}s")
     return model
+
+
+def _train_vision(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
+    """Wrap the text-trained k25-mini in the Kimi-K2.5 layout with a random tiny vision tower, train the
+    whole on seeded scenes (and K2.5 text), save it, and copy the trained LM back into `model` (the text
+    model the perplexity table scores)."""
+    v = cfg.vision
+    vision_config = ck.seeing_vision_config(v.image_size, hidden_size=v.hidden_size,
+                                            num_hidden_layers=v.num_hidden_layers,
+                                            num_attention_heads=v.num_attention_heads,
+                                            intermediate_size=v.intermediate_size)
+    wrapper = ck.build_kimi_k25(model, vision_config, seed=cfg.seed, image_token_id=eyes.media_pad_id(tok))
+    pool = eyes.example_pool(tok, v.pool_examples, seed=cfg.seed + 10, size=v.image_size, max_turns=v.max_turns)
+    blocks = pack_blocks(train_seqs, v.train.seq_len)
+    _log(f"k25-mini vision: {sum(p.numel() for p in wrapper.model.vision_tower.parameters()) / 1e6:.3f}M tower "
+         f"params; {len(pool):,} scenes of {v.image_size}px, {v.train.steps} steps of {v.train.batch_size} images "
+         f"+ {v.text_batch_size} text blocks")
+    stats = eyes.train_seeing(wrapper, tok, pool, blocks, v, seed=cfg.seed + 3, device=device)
+    ck.save_kimi_k25_wrapper(wrapper, out_dir.parent / "tokenizer", out_dir)
+    model.model.load_state_dict(wrapper.model.language_model.state_dict())
+    model.lm_head.load_state_dict(wrapper.lm_head.state_dict())
+    return stats
+
+
+def _seeing_check(cfg, out: Path, tok, n: int = 12) -> dict:
+    """k25-mini's greedy captions of `n` held-out scenes: how many are exactly right and how many differ
+    (answers that depend on the image)."""
+    import random
+
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    from data.mini_world import scenes
+
+    rng = random.Random(cfg.seed + 30)
+    shown = [scenes.random_scene(rng) for _ in range(n)]
+    wrapper = Kimi_K25ForConditionalGeneration.from_pretrained(str(out / "k25-mini")).to(resolve_device(cfg.device))
+    question = scenes.QUESTIONS["caption"][0]
+    answers = eyes.greedy_answers(wrapper, tok, [scenes.png(scenes.draw_scene(s, cfg.vision.image_size)) for s in shown],
+                                  question, max_new_tokens=24)
+    truth = [scenes.answer(s, "caption") for s in shown]
+    return {"vision_params": sum(p.numel() for p in wrapper.model.vision_tower.parameters())
+            + sum(p.numel() for p in wrapper.model.mm_projector.parameters()),
+            "question": question, "scenes": n, "exact": sum(a.strip() == t for a, t in zip(answers, truth)),
+            "distinct": len(set(answers)), "examples": [[t, a] for t, a in list(zip(truth, answers))[:3]]}
 
 
 def format_report(r: dict) -> str:
@@ -358,6 +419,11 @@ def format_report(r: dict) -> str:
     for n in names:
         lines.append(f"  {n:<21} " + "".join(f"{r['perplexity'][n][d]['ppl']:>12.2f}" for d in dists))
     lines.append(f"  {'unigram baseline':<21} " + "".join(f"{r['unigram_perplexity'][d]:>12.2f}" for d in dists))
+    if "vision" in r:
+        h = r["vision"]["held_out_answers"]
+        lines.append(f"  k25-mini sees {r['vision']['image_size']}px images ({r['vision']['vision_params'] / 1e6:.3f}M "
+                     f"vision params); captions of {h['scenes']} held-out scenes: {h['exact']} exact, {h['distinct']} "
+                     f"distinct; {r['vision']['corpus_image_conversations']} image conversations in the K2.5 corpus")
     lines.append("  weights: " + ", ".join(f"{n} {fp}" for n, fp in r.get("weights", {}).items())
                  + f"; {r.get('determinism', {}).get('note', '')}")
     lines.append("  times (s): " + ", ".join(f"{k} {v}" for k, v in r["times_s"].items()))

@@ -102,29 +102,34 @@ def save_causal_lm(model, tokenizer, out_dir: Path | str) -> Path:
         raise
 
 
-def kimi_k25_config(text_config, vision_config=None):
+def kimi_k25_config(text_config, vision_config=None, image_token_id=None):
     """`Kimi_K25Config` around a DeepSeek-V3 text config. `tie_word_embeddings=False` at both
-    levels: the wrapper's default (True) would otherwise win and tie lm_head to the embeddings."""
+    levels: the wrapper's default (True) would otherwise win and tie lm_head to the embeddings.
+    `image_token_id`: the tokenizer's `<|media_pad|>` (None: K2.5's 163605, the class default)."""
     from transformers.models.kimi_k25 import Kimi_K25Config
 
     vision_config = vision_config or kimi_k25_vision_config()
     text = text_config.to_dict()
     text["tie_word_embeddings"] = False
+    extra = {} if image_token_id is None else {"image_token_id": int(image_token_id)}
+    if image_token_id is not None and not 0 <= int(image_token_id) < text_config.vocab_size:
+        raise ValueError(f"image_token_id {image_token_id} is outside the text model's vocab "
+                         f"({text_config.vocab_size}): the tokenizer's media tokens need embedding rows")
     cfg = Kimi_K25Config(text_config=text, vision_config=vision_config.to_dict(),
                          projection_hidden_size=vision_config.hidden_size, tie_word_embeddings=False,
                          bos_token_id=text_config.bos_token_id, eos_token_id=text_config.eos_token_id,
-                         pad_token_id=text_config.pad_token_id)
+                         pad_token_id=text_config.pad_token_id, **extra)
     cfg.text_config.tie_word_embeddings = False
     return cfg
 
 
-def build_kimi_k25(text_model, vision_config=None, seed: int = 0):
+def build_kimi_k25(text_model, vision_config=None, seed: int = 0, image_token_id=None):
     """A `Kimi_K25ForConditionalGeneration` whose text model and lm_head are copies of
     `text_model`'s (a DeepseekV3ForCausalLM); the tiny vision tower is random from `seed`."""
     import torch
     from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 
-    cfg = kimi_k25_config(text_model.config, vision_config)
+    cfg = kimi_k25_config(text_model.config, vision_config, image_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         wrapper = Kimi_K25ForConditionalGeneration(cfg)
@@ -141,17 +146,23 @@ def released_kimi_k25_name(name: str) -> str:
     return name
 
 
-def save_kimi_k25(text_model, tokenizer, out_dir: Path | str, *, vision_config=None, seed: int = 0) -> Path:
-    """Save `text_model` (a DeepseekV3ForCausalLM) in the Kimi-K2.5 checkpoint layout: config
+def save_kimi_k25(text_model, tokenizer, out_dir: Path | str, *, vision_config=None, seed: int = 0,
+                  image_token_id=None) -> Path:
+    """Save `text_model` (a DeepseekV3ForCausalLM) in the Kimi-K2.5 checkpoint layout with a tiny random
+    vision tower / projector (`build_kimi_k25`); see `save_kimi_k25_wrapper`."""
+    return save_kimi_k25_wrapper(build_kimi_k25(text_model, vision_config, seed, image_token_id), tokenizer, out_dir)
+
+
+def save_kimi_k25_wrapper(wrapper, tokenizer, out_dir: Path | str) -> Path:
+    """Save a `Kimi_K25ForConditionalGeneration` in the Kimi-K2.5 checkpoint layout: config
     `Kimi_K25` with `text_config`, text weights `language_model.model.layers.N.*`,
     `language_model.model.embed_tokens.weight`, `language_model.model.norm.weight`,
-    `language_model.lm_head.weight`, plus a tiny vision tower / projector under the released
-    names. Atomic; returns `out_dir`."""
+    `language_model.lm_head.weight`, the vision tower / projector under the released names.
+    Atomic; returns `out_dir`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    wrapper = build_kimi_k25(text_model, vision_config, seed)
     tmp = _tmp_dir_next_to(out_dir)
     try:
         wrapper.save_pretrained(str(tmp), safe_serialization=True)
@@ -163,7 +174,7 @@ def save_kimi_k25(text_model, tokenizer, out_dir: Path | str, *, vision_config=N
                     tensors[released_kimi_k25_name(k)] = f.get_tensor(k)
             shard.unlink()
         (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
-        _check_kimi_names(tensors, text_model.config.num_hidden_layers)
+        _check_kimi_names(tensors, wrapper.config.text_config.num_hidden_layers)
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         _save_tokenizer(tokenizer, tmp)
         return _finish_dir(tmp, out_dir)
@@ -198,3 +209,13 @@ def checkpoint_weight_names(ckpt_dir: Path | str) -> list[str]:
         with safe_open(str(shard), framework="pt") as f:
             names.extend(f.keys())
     return sorted(names)
+
+
+def seeing_vision_config(image_size: int, *, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                         intermediate_size: int):
+    """A tiny Kimi-K2.5 vision tower that reads real images: K2.5's patch (14) and 2 x 2 merge, a position
+    table as large as a `image_size`-pixel square's patch grid (the largest image it is meant for)."""
+    side = max(2, image_size // 14)
+    return kimi_k25_vision_config(patch_size=14, pos_emb_height=side, pos_emb_width=side, pos_emb_time=4,
+                                  num_attention_heads=num_attention_heads, num_hidden_layers=num_hidden_layers,
+                                  hidden_size=hidden_size, intermediate_size=intermediate_size)

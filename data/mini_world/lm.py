@@ -4,7 +4,7 @@ held-out perplexity. Training and scoring take a `device`; the model comes back 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -68,24 +68,52 @@ def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str,
     """Train `model` in place on `device` for `cfg.steps` steps of `cfg.batch_size` blocks (seeded
     order, reshuffled each pass over the data); the model ends on the CPU. Returns loss figures and
     tokens seen."""
-    gen = torch.Generator().manual_seed(seed)
+    sampler = BatchSampler(len(blocks), cfg.batch_size, seed)
+
+    def loss_at(step: int) -> torch.Tensor:
+        batch = blocks[sampler.next()].to(device, non_blocking=True)
+        return model(input_ids=batch, labels=batch).loss
+
+    stats = optimise(model, cfg, loss_at, desc=desc, device=device)
+    return {**stats, "tokens": cfg.steps * cfg.batch_size * blocks.shape[1]}
+
+
+class BatchSampler:
+    """Indices of `batch_size` items per step out of `n`: a seeded permutation, reshuffled when used up."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size = n, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def next(self) -> torch.Tensor:
+        if self.cursor + self.batch_size > len(self.order):
+            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+        idx = self.order[self.cursor: self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return idx
+
+
+def optimise(model, cfg, loss_at, *, desc: str, device: torch.device = torch.device("cpu"),
+             lr_scale: Optional[Callable[[str], float]] = None) -> dict:
+    """AdamW (decay on matrices only) with warmup + cosine decay for `cfg.steps` steps of `loss_at(step)`
+    (a scalar loss of the model on `device`); the model ends on the CPU in eval mode. `lr_scale(name)`: a
+    parameter's learning rate as a multiple of the schedule's (default 1)."""
     model.to(device)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    order = torch.randperm(len(blocks), generator=gen)
-    cursor, losses = 0, []
+    groups: dict[tuple, list] = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((p.ndim >= 2, lr_scale(n) if lr_scale else 1.0), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "weight_decay": cfg.weight_decay if decays else 0.0, "scale": scale}
+                             for (decays, scale), ps in groups.items()], lr=cfg.lr, betas=(0.9, 0.95))
+    losses = []
     model.train()
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
     for step in bar:
-        if cursor + cfg.batch_size > len(order):
-            order, cursor = torch.randperm(len(blocks), generator=gen), 0
-        batch = blocks[order[cursor: cursor + cfg.batch_size]].to(device, non_blocking=True)
-        cursor += cfg.batch_size
+        lr = lr_at(step, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
-        loss = model(input_ids=batch, labels=batch).loss
+            group["lr"] = lr * group["scale"]
+        loss = loss_at(step)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}; lower the lr")
         opt.zero_grad(set_to_none=True)
@@ -96,8 +124,7 @@ def train_lm(model, blocks: torch.Tensor, cfg, *, seed: int, desc: str,
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval().to("cpu")
     tail = losses[-max(1, len(losses) // 10):]
-    return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * blocks.shape[1],
-            "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
+    return {"steps": cfg.steps, "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
 
 
 @torch.no_grad()

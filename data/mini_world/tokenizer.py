@@ -87,3 +87,18 @@ def _ensure_template_in_config(out_dir: Path) -> None:
 
 def special_token_ids(tokenizer) -> dict[str, int]:
     return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def add_media_tokens_to(out_dir: Path | str):
+    """Give the saved tokenizer in `out_dir` Kimi-K2.5's four media tokens (eagle3/media_tokens.py; ids after
+    its vocabulary, as K2's and K2.5's tokenizer share them: the text-only k2-mini simply never reads them),
+    save it again and return it."""
+    from transformers import AutoTokenizer
+
+    from eagle3.media_tokens import add_media_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    add_media_tokens(tok)
+    tok.save_pretrained(str(out_dir))
+    _ensure_template_in_config(Path(out_dir))
+    return tok

@@ -90,6 +90,35 @@ class MiniTrainConf:
 
 
 @dataclass
+class MiniVisionConf:
+    """k25-mini's eyes: a tiny Kimi-K2.5 vision tower + projector (patch 14, merge 2x2), trained jointly with
+    the LM after its text training on seeded synthetic scenes (data/mini_world/scenes.py) with questions and
+    answers about them, plus `text_batch_size` text blocks of the K2.5 part per step so the LM keeps its text.
+    The held-out image conversations go into corpus/k25_mini.jsonl: every `corpus_every`-th record."""
+    image_size: int = 56  # pixels per side, a multiple of 28 (no resize): (image_size / 28)^2 <|media_pad|> rows
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    intermediate_size: int = 64
+    pool_examples: int = 512  # training scenes with their questions (drawn once, sampled per step)
+    text_batch_size: int = 4  # K2.5 text blocks (train.seq_len tokens) per step, next to train.batch_size images
+    corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
+    max_turns: int = 2  # questions per image conversation: 1..max_turns
+    train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=60, lr=2e-3, warmup_steps=6,
+                                                                       batch_size=16, seq_len=128))
+
+    def validate(self) -> None:
+        if self.image_size < 28 or self.image_size % 28:
+            raise ConfigError(f"vision.image_size={self.image_size}: must be a multiple of 28 (>= 28), so K2.5's "
+                              "image rule keeps the scenes as drawn (no resize)")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("vision.hidden_size must be a multiple of vision.num_attention_heads")
+        if self.pool_examples < 1 or self.text_batch_size < 0 or self.corpus_every < 2 or not 1 <= self.max_turns <= 5:
+            raise ConfigError("vision: pool_examples >= 1, text_batch_size >= 0, corpus_every >= 2 and "
+                              "1 <= max_turns <= 5 are required")
+
+
+@dataclass
 class MiniWorldConfig:
     paths: PathsConf
     out_dir: str
@@ -108,6 +137,7 @@ class MiniWorldConfig:
     # depend on the prompt (28 distinct tokens over 24 prompts).
     k2_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=300, lr=3e-3, warmup_steps=20))
     k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=150, lr=1.5e-3, warmup_steps=10))
+    vision: MiniVisionConf = field(default_factory=MiniVisionConf)  # k25-mini's vision tower (k2-mini reads text only)
     init: Optional[InitConf] = None  # unused; accepted so every config composes with +init
 
     def validate(self) -> None:

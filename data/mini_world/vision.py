@@ -1,0 +1,176 @@
+"""k25-mini learns to see: a tiny Kimi-K2.5 vision tower + projector in front of the trained text model,
+trained jointly with it on seeded synthetic scenes (data/mini_world/scenes.py), and the held-out image
+conversations of the K2.5 corpus.
+
+An image conversation is rendered exactly as prepare renders it (eagle3/media_tokens.py: the image block
+before the user turn's text, one `<|media_pad|>` per LM position, the count from K2.5's rule), tokenized
+piecewise at the role tokens (specials, so the pieces tokenize as the whole), with loss on the assistant
+answers and their `<|im_end|>` only. The images go through eagle3/images.py (the PNG bytes prepare would
+store) and the wrapper's own multimodal forward, so what k25-mini learns from is what capture replays.
+"""
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass
+
+import torch
+
+from data.mini_world import scenes
+from data.mini_world.lm import BatchSampler, optimise
+from data.mini_world.tokenizer import IM_END
+from eagle3 import images as img_rule
+from eagle3.media_tokens import MEDIA_PAD, user_content
+
+IGNORE = -100
+
+
+@dataclass
+class ImageExample:
+    """One tokenized image conversation: ids, labels (IGNORE outside the answers), its image's PNG."""
+    ids: list[int]
+    labels: list[int]
+    png: bytes
+
+
+def conversation_turns(scene: scenes.Scene, rng: random.Random, max_turns: int) -> list[tuple[str, str]]:
+    return scenes.question_pairs(scene, rng, rng.randint(1, max_turns))
+
+
+def encode_example(tok, turns: list[tuple[str, str]], png: bytes) -> ImageExample:
+    """The conversation (image on the first user turn) -> ids and answer-only labels."""
+    n_pads = img_rule.media_pad_count(img_rule.grid_thw(*_png_size(png)[::-1]))
+    msgs: list[dict] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    rendered = ""
+    for i, (q, a) in enumerate(turns):
+        msgs.append({"role": "user", "content": user_content([n_pads], q) if i == 0 else q})
+        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        piece = tok(prompt[len(rendered):], add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += [IGNORE] * len(piece)
+        answer = tok(a + IM_END, add_special_tokens=False)["input_ids"]
+        ids += answer
+        labels += answer
+        msgs.append({"role": "assistant", "content": a})
+        rendered = tok.apply_chat_template(msgs, tokenize=False)
+    return ImageExample(ids, labels, png)
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) from the PNG header."""
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+
+
+def example_pool(tok, n: int, *, seed: int, size: int, max_turns: int) -> list[ImageExample]:
+    """`n` training conversations about seeded scenes."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        scene = scenes.random_scene(rng)
+        out.append(encode_example(tok, conversation_turns(scene, rng, max_turns),
+                                  scenes.png(scenes.draw_scene(scene, size))))
+    return out
+
+
+def pixel_batch(pngs: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values [N, 3, 14, 14], image_grid_thw [n, 3]) by K2.5's rule (eagle3/images.py)."""
+    import numpy as np
+
+    pv, thw = img_rule.preprocess_many([img_rule.decode_image(p) for p in pngs])
+    return torch.from_numpy(np.ascontiguousarray(pv)), torch.from_numpy(np.asarray(thw, dtype=np.int64))
+
+
+def collate(examples: list[ImageExample], pad_id: int) -> dict:
+    """Right-padded ids / labels / attention mask and the images, for the wrapper's forward."""
+    T = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        mask[i, : len(e.ids)] = 1
+    pixel_values, thw = pixel_batch([e.png for e in examples])
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "pixel_values": pixel_values,
+            "image_grid_thw": thw}
+
+
+def calm_position_table(wrapper, std: float = 0.02) -> None:
+    """transformers draws the tower's learned position table with std 1, which drowns the pixels of a tiny
+    tower (the features of two different scenes then differ by a few percent): redraw it at `std`."""
+    table = wrapper.model.vision_tower.patch_embed.pos_emb.position_embeddings
+    with torch.no_grad():
+        table.mul_(std / table.std().clamp_min(1e-12))
+
+
+def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tensor, cfg, *, seed: int,
+                 device: torch.device) -> dict:
+    """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
+    `cfg.text_batch_size` text blocks per step; the loss is their sum. Returns loss figures."""
+    t = cfg.train
+    calm_position_table(wrapper)
+    images = BatchSampler(len(pool), min(t.batch_size, len(pool)), seed)
+    texts = BatchSampler(len(text_blocks), min(cfg.text_batch_size, len(text_blocks)), seed + 1) \
+        if cfg.text_batch_size and len(text_blocks) else None
+    image_losses: list[float] = []
+
+    def loss_at(step: int) -> torch.Tensor:
+        batch = collate([pool[i] for i in images.next().tolist()], tok.pad_token_id)
+        loss = wrapper(**{k: v.to(device) for k, v in batch.items()}).loss
+        image_losses.append(loss.item())
+        if texts is not None:
+            blocks = text_blocks[texts.next()].to(device)
+            loss = loss + wrapper(input_ids=blocks, labels=blocks).loss
+        return loss
+
+    stats = optimise(wrapper, t, loss_at, desc=f"k25-mini vision ({device.type})", device=device)
+    tail = image_losses[-max(1, len(image_losses) // 10):]
+    return {**stats, "image_examples": t.steps * t.batch_size, "first_image_loss": image_losses[0],
+            "final_image_loss": sum(tail) / len(tail)}
+
+
+def corpus_records(n: int, *, seed: int, size: int, max_turns: int) -> list[dict]:
+    """`n` held-out image conversations as OpenAI-style records: the image as a data URI part before the
+    first question, the true answers as the assistant turns (regeneration replaces them by the target's)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        scene = scenes.random_scene(rng)
+        turns = conversation_turns(scene, rng, max_turns)
+        uri = "data:image/png;base64," + base64.b64encode(scenes.png(scenes.draw_scene(scene, size))).decode()
+        msgs: list[dict] = []
+        for j, (q, a) in enumerate(turns):
+            content = [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": q}] if j == 0 else q
+            msgs += [{"role": "user", "content": content}, {"role": "assistant", "content": a}]
+        out.append({"id": f"image_{seed}_{i}", "messages": msgs})
+    return out
+
+
+def interleave(text_records: list[dict], image_records: list[dict], every: int) -> list[dict]:
+    """Every `every`-th record an image conversation, while both last; the rest appended."""
+    out, t, m = [], 0, 0
+    while t < len(text_records) or m < len(image_records):
+        if (len(out) + 1) % every == 0 and m < len(image_records) or t >= len(text_records):
+            out.append(image_records[m])
+            m += 1
+        else:
+            out.append(text_records[t])
+            t += 1
+    return out
+
+
+@torch.no_grad()
+def greedy_answers(wrapper, tok, pngs: list[bytes], question: str, max_new_tokens: int = 16) -> list[str]:
+    """The wrapper's greedy answer to `question` about each image (one conversation per image)."""
+    from data.hf_generator import HFGenerator
+    from eagle3.images import data_uri
+
+    gen = HFGenerator(wrapper.eval(), tok, max_new_tokens=max_new_tokens)
+    prompts = [[{"role": "user", "content": question, "images": [data_uri(p)]}] for p in pngs]
+    return [text for text, _, _ in gen.generate(prompts)]
+
+
+def media_pad_id(tok) -> int:
+    return tok.convert_tokens_to_ids(MEDIA_PAD)
