@@ -45,6 +45,21 @@ def resolve(choice: str, engine: str = EXPORT_ENGINE) -> str:
     return default_for_engine(engine) if choice == "auto" else choice
 
 
+def rows_problem(convention: str, store, choice: Optional[str] = None) -> Optional[str]:
+    """Why `convention` cannot read `store` (an eagle3.store.HiddenStateStore), else None: `fused` needs the
+    store's fused rows, which an image store captured with image_rows="none" (capture.backend=vllm: vLLM's
+    connector has no h = 0, eagle3/vllm_images.py) does not hold. `choice`: the config value (auto is named)."""
+    check_convention(convention)
+    if convention != "fused" or getattr(store, "image_token_id", None) is None or store.has_fused_image_rows:
+        return None
+    how = f"image_embeddings={choice} resolves to fused (the {EXPORT_ENGINE} export's)" if choice == "auto" \
+        else "image_embeddings=fused"
+    return (f"{store.dir}: {how} needs the target's fused input embeddings at image rows, but this store holds "
+            f"none (image_rows={store.image_rows!r}: captured with capture.backend=vllm, whose hidden-state "
+            "connector cannot give them); set image_embeddings=placeholder (what vLLM serves) or capture with "
+            "capture.backend=hf")
+
+
 def serving_mismatch(trained: str, engine: str) -> Optional[str]:
     """A one-line warning when `engine` feeds the drafter other image rows than it was trained on, else None."""
     served = default_for_engine(engine)

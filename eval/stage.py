@@ -17,7 +17,7 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.conf import ConfigError, as_plain_dict
 from eagle3.cost_model import Latencies, predict
 from eagle3.cost_presets import resolve_preset
-from eagle3.image_embeddings import resolve as resolve_image_embeddings
+from eagle3.image_embeddings import resolve as resolve_image_embeddings, rows_problem
 from eagle3.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
                              write_manifest)
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
@@ -87,13 +87,18 @@ def best_setting(report: dict, knobs: list[SpecKnobs]) -> Optional[dict]:
 
 
 def _prompt_items(store, n: int) -> list[tuple[dict, int]]:
-    """(store item, prompt length) of the first n validation sequences with a prompt before an assistant token."""
+    """(store item, prompt length) of the first n validation sequences with a prompt before an assistant token.
+    A store without fused image rows (a vLLM capture) gives text prompts only: the target's prefill of an image
+    prompt reads those rows (eagle3/real_loop/chain.py PromptImages)."""
     out = []
+    blind = store.image_token_id is not None and not store.has_fused_image_rows
     for i in range(len(store)):
         if len(out) >= n:
             break
         s = store[i]
         where = s["loss_mask"].bool().nonzero()
+        if blind and where.numel() and bool((s["input_ids"][: int(where[0])] == store.image_token_id).any()):
+            continue
         if where.numel() and int(where[0]) >= 1:
             out.append((s, int(where[0])))
     return out
@@ -162,9 +167,11 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     torch.manual_seed(cfg.seed)
     store = HiddenStateStore(store_dir)
+    image_embeddings = resolve_image_embeddings(cfg.image_embeddings)
+    if problem := rows_problem(image_embeddings, store, cfg.image_embeddings):  # a vLLM capture has no fused rows
+        raise EvalInputError(problem)
     embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
     drafter = load_drafter_dir(drafter_dir, embed_tokens=embed, device=device, dtype=cfg.dtype).eval()
-    image_embeddings = resolve_image_embeddings(cfg.image_embeddings)
     report = {"name": cfg.name, "drafter_dir": str(drafter_dir), "store": str(store_dir), "device": device}
     report.update(evaluate_drafter(drafter, store, knobs=knobs, ttt_length=cfg.ttt_length,
                                    max_sequences=cfg.max_sequences,
@@ -175,6 +182,10 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
 
     if cfg.real_loop.enabled and cfg.real_loop.num_prompts > 0:
         prompts = prompts_from_store(store, cfg.real_loop.num_prompts)
+        if store.image_token_id is not None and not store.has_fused_image_rows:
+            report["warnings"].append("real loop on text prompts only: the store holds no fused image rows "
+                                      "(image_rows='none', a vLLM capture), which the target's prefill of an "
+                                      "image prompt reads")
         if prompts:
             target, _ = load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype, cfg.target.device_map,
                                     cfg.target.trust_remote_code)

@@ -30,7 +30,7 @@ from accelerate.utils import gather_object
 from eagle3 import hooks
 from eagle3.conf import as_plain_dict
 from eagle3.errors import StageError
-from eagle3.image_embeddings import resolve as resolve_image_embeddings
+from eagle3.image_embeddings import resolve as resolve_image_embeddings, rows_problem
 from eagle3.manifest import MANIFEST, sha256_file, write_manifest
 from eagle3.unroll import TTTObjective, step_position_counts
 from train import checkpoint as ckpt
@@ -78,6 +78,10 @@ class Trainer:
         self.out = Path(config.out_dir)
         self.main, self.fsdp, self.device = accelerator.is_main_process, uses_fsdp(accelerator), accelerator.device
         self.t_start = time.time()
+        self.image_embeddings = resolve_image_embeddings(config.image_embeddings)  # what image rows feed the drafter
+        for store in (inputs.train, inputs.val):  # fused needs the stores' fused rows (a vLLM capture has none)
+            if store is not None and (problem := rows_problem(self.image_embeddings, store, config.image_embeddings)):
+                raise TrainInputError(problem)
         self.drafter, self.report = build_drafter(config, inputs)  # compatibility checks run inside, before any work
         self.key = ckpt.run_key(config, inputs.fingerprints, accelerator.num_processes)
         self.ckpt_root = self.out / "checkpoints"
@@ -89,7 +93,6 @@ class Trainer:
         self.lm_head_rows = self.report.pop("lm_head_rows").to(self.device)
         if mixed_precision(config) == "bf16" and not self.fsdp:
             self.drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
-        self.image_embeddings = resolve_image_embeddings(config.image_embeddings)  # what image rows feed the drafter
         self.objective = accelerator.prepare(TTTObjective(
             self.drafter, config.ttt_length, config.step_decay, impl=config.unroll,
             compile=use_compile(config, self.device), attention_kernel=config.attention_kernel,
