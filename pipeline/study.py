@@ -120,16 +120,10 @@ class Evaluator:
         return point_metrics(rep)
 
 
-def init_drafter(train_cfg):
-    """The drafter the train run starts from (0 training tokens), built by train's own code."""
-    from train.model_setup import init_drafter as build
-
-    return build(train_cfg)
-
-
 def curve(train_cfg, ev: Evaluator, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> list[dict]:
     """[{step, tokens, metrics}] at 0 tokens (the init drafter) and at every kept checkpoint."""
     from eagle3.checkpoints import list_checkpoints, load_training_state
+    from train.model_setup import init_drafter  # the drafter the run starts from (0 tokens), train's own code
 
     points = [{"step": 0, "tokens": 0, **ev.metrics(init_drafter(train_cfg), knobs, max_sequences)}]
     for step, path in list_checkpoints(Path(train_cfg.out_dir) / "checkpoints"):
