@@ -29,7 +29,7 @@ import torch
 
 from data import capture_vllm
 from data.capture import Dist, run_capture
-from eagle3 import target_io, vllm_protocol
+from eagle3 import target_io, vllm_images, vllm_protocol
 from tests.fixtures import vllm_sources
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_capture import LIMIT, assert_no_connector_files, assert_same_store, hf_store  # noqa: F401
@@ -57,7 +57,12 @@ def vllm():
                  "connector": "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
                  "base": "vllm.distributed.kv_transfer.kv_connector.v1.base",
                  "kv_iface": "vllm.v1.kv_cache_interface", "forward_context": "vllm.forward_context",
-                 "protocol": "vllm.entrypoints.openai.completion.protocol", "version": "vllm._version"}
+                 "protocol": "vllm.entrypoints.openai.completion.protocol", "version": "vllm._version",
+                 # the image facts (eagle3/vllm_images.py)
+                 "hf": "vllm.renderers.hf", "chat_message": "vllm.renderers.chat_utils.chat_message",
+                 "content_parser": "vllm.renderers.chat_utils.content_parser",
+                 "chat": "vllm.entrypoints.openai.chat_completion.protocol",
+                 "engine_protocol": "vllm.entrypoints.serve.engine.protocol"}
         yield types.SimpleNamespace(**{k: importlib.import_module(v) for k, v in names.items()})
 
 
@@ -370,3 +375,95 @@ def test_capture_through_vllms_code_equals_the_hf_store(vllm, tmp_path, targets,
     m = json.loads((out / "manifest.json").read_text())["splits"]["train"]["this_run"]
     assert m["engine_token_checked"] == m["engine_token_agrees"] > 0  # vLLM's greedy token = our argmax
     assert_no_connector_files(cfg)
+
+
+# ---- image prompts through the chat endpoint (eagle3/vllm_images.py) ------------------------------------
+# What runs: Kimi-K2.5's placeholder string, the content-format detection on the verbatim template, the
+# multimodal text prompt assembly, ChatCompletionRequest on the backend's body (and the chat params it builds),
+# ChatCompletionResponse read back by parse_chat, the serve CLI with the flag; read, not run: the online
+# renderer's request-template guard and DeepseekV2Model.forward's residual (h = 0 unavailable). Not here: the
+# checkpoint's own image processor (the expansion) and the engine; the stand-in covers those
+# (tests/test_capture_vllm_images.py).
+
+def _method_source(relpath: str, cls: str, method: str) -> str:
+    """A method's source, read with ast (vLLM's model modules are not imported for one method's text)."""
+    import ast
+
+    text = (Path(SOURCES) / relpath).read_text()
+    node = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return ast.get_source_segment(text, fn)
+
+
+def test_the_placeholder_is_kimi_k25s(vllm):
+    assert vllm.version.__version__ == vllm_protocol.VLLM_VERSION
+    src = _method_source("vllm/model_executor/models/kimi_k25.py", "KimiK25ForConditionalGeneration",
+                         "get_placeholder_str")
+    namespace: dict = {}
+    exec(compile("def f(modality, i):\n" + src.split(":\n", 1)[1], "kimi_k25", "exec"), namespace)  # the body
+    assert namespace["f"]("image", 0) == vllm_images.PLACEHOLDER
+
+
+def test_the_verbatim_template_reads_content_as_a_string(vllm):
+    detect = vllm.hf._detect_content_format
+    assert detect(vllm_images.PASSTHROUGH_TEMPLATE, default="openai") == "string"
+    looping = "{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}"
+    assert detect(looping, default="string") == "openai"  # the detection does tell them apart
+
+
+def test_placeholders_already_in_the_text_stay_where_they_are(vllm):
+    key = vllm.content_parser.MODALITY_PLACEHOLDERS_MAP["image"]
+    P = vllm_images.PLACEHOLDER
+    text = f"<|im_user|>user<|im_middle|>{P}\nfirst{P}\nsecond<|im_end|>"
+    full = vllm.chat_message.get_full_multimodal_text_prompt
+    assert full({key: [P, P]}, [text], interleave_strings=False) == text
+    # without them in the text, vLLM puts them in front: another prompt than prepare's (the backend refuses that)
+    assert full({key: [P]}, ["plain"], interleave_strings=False) == f"{P}\nplain"
+
+
+def test_a_request_template_needs_the_serve_flag(vllm):
+    # read, not run: importing the online renderer pulls openai_harmony's real enums, which the sources' stubs lack
+    src = (Path(SOURCES) / "vllm" / "renderers" / "online_renderer.py").read_text()
+    guard = src[src.index("    def validate_chat_template("):]
+    guard = guard[: guard.index("        return None")]  # the method's body up to its "allowed" exit
+    assert "if not trust_request_chat_template and (" in guard and "request_chat_template is not None" in guard
+    assert f"{vllm_images.SERVE_FLAG} is not set" in guard
+
+
+def test_the_chat_body_validates_and_builds_the_verbatim_rendering(vllm):
+    body = vllm_images.chat_body("/m/k25", f"x{vllm_images.PLACEHOLDER}y", ["data:image/png;base64,iVBORw0KGgo="])
+    req = vllm.chat.ChatCompletionRequest.model_validate(body)
+    assert req.return_token_ids is True and req.add_generation_prompt is False and req.max_completion_tokens == 1
+    assert req.temperature == 0.0
+    params = req.build_chat_params(None, "auto")
+    assert params.chat_template == vllm_images.PASSTHROUGH_TEMPLATE
+    assert params.chat_template_kwargs["add_generation_prompt"] is False
+
+
+def test_a_chat_response_is_read_back_by_parse_chat(vllm):
+    c = vllm.chat
+    choice = c.ChatCompletionResponseChoice(index=0, message=c.ChatMessage(role="assistant", content=""),
+                                            token_ids=[42], finish_reason="length")
+    usage = vllm.engine_protocol.UsageInfo(prompt_tokens=5, completion_tokens=1, total_tokens=6)
+    reply = c.ChatCompletionResponse(model="/m/k25", choices=[choice], usage=usage, prompt_token_ids=[1, 7, 7, 7, 2],
+                                     kv_transfer_params={vllm_protocol.PATH_PARAM: "/hs/req-1.safetensors"})
+    assert vllm_images.parse_chat(json.loads(reply.model_dump_json())) == ("/hs/req-1.safetensors", 42,
+                                                                          [1, 7, 7, 7, 2])
+
+
+def test_the_serve_line_with_the_flag_parses(vllm):
+    line = vllm_protocol.serve_command("/m/k25", [2, 4, 8], "/hs", tensor_parallel_size=8, max_model_len=97,
+                                       trust_remote_code=True, dtype="bfloat16", host="127.0.0.1", port=8000,
+                                       extra_flags=(vllm_images.SERVE_FLAG,))
+    parser = vllm.serve_args.make_arg_parser(vllm.argparse.FlexibleArgumentParser(prog="vllm serve"))
+    assert parser.parse_args(shlex.split(line)[2:]).trust_request_chat_template is True
+    plain = line.replace(" " + vllm_images.SERVE_FLAG, "")
+    assert parser.parse_args(shlex.split(plain)[2:]).trust_request_chat_template is False
+
+
+def test_h0_is_not_a_state_the_connector_can_give(vllm):
+    src = _method_source("vllm/model_executor/models/deepseek_v2.py", "DeepseekV2Model", "forward")
+    first_rank = src.index("residual = None")  # the first rank starts with no residual ...
+    loop = src.index("for idx, layer in enumerate(")
+    append = src.index("aux_hidden_state = hidden_states + residual")  # ... and an aux state adds it (id 0: None)
+    assert first_rank < loop < append
