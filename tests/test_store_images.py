@@ -1,12 +1,15 @@
 """An image store's rows (eagle3/store.py): fused rows in fp8 with their scales when the store is fp8 (read back
 in the store dtype within e4m3's precision), and a store with image_rows="none" (a vLLM capture) that keeps no
-fused rows, refuses them, and cannot be resumed or merged with a store that keeps them."""
+fused rows, refuses them, and cannot be resumed or merged with a store that keeps them; an fp8 HF image capture
+keeps its fused rows within e4m3's precision of the fp32 capture's."""
 import json
 
 import pytest
 import torch
 
 from eagle3.store import HiddenStateStore, HiddenStateWriter, StoreError, StoreMismatchError
+from tests.fixtures.images import media_tokenizer, seeing_k25_target  # noqa: F401 (fixtures)
+from tests.fixtures.vllm_images import image_capture_config, image_hf_store, image_prepared  # noqa: F401
 
 H = 32
 PAD = 9
@@ -87,3 +90,21 @@ def test_an_image_store_from_before_the_keys_reads_as_fused_in_dtype(tmp_path):
     path.write_text(json.dumps(m))
     store = HiddenStateStore(tmp_path / "s")
     assert store.has_fused_image_rows and torch.equal(store[0]["image_embeds"], rows)
+
+
+def test_an_fp8_image_capture_keeps_the_fused_rows_within_e4m3(tmp_path, seeing_k25_target, image_prepared,  # noqa: F811
+                                                               image_hf_store):
+    from data.capture import Dist, run_capture
+
+    out = run_capture(image_capture_config(tmp_path, seeing_k25_target, image_prepared, f"out_dir={tmp_path / 'fp8'}",
+                                           "max_tokens_per_batch=1", f"aux_dtype={FP8}"), Dist())
+    ref, got = HiddenStateStore(image_hf_store / "train"), HiddenStateStore(out / "train")
+    assert got.manifest["image_dtype"] == FP8 and got.ids == ref.ids
+    rows = 0
+    for i in range(len(ref)):
+        want, have = ref[i]["image_embeds"], got[i]["image_embeds"]
+        assert have.dtype == want.dtype == torch.float32 and have.shape == want.shape
+        amax = want.abs().amax(-1, keepdim=True) if len(want) else want
+        assert bool(((have - want).abs() <= 2 ** -4 * want.abs() + 2 ** -10 * amax / 448).all())
+        rows += len(want)
+    assert rows > 0
