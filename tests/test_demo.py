@@ -39,6 +39,21 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     export_manifest = json.loads((Path(report["export_dir"]) / "manifest.json").read_text())
     assert export_manifest["world"]["id"] == worlds["prepare"]
     assert "| drafter |" in (Path(out) / "report.md").read_text()
+    # image traffic (k25-mini sees; its corpus holds image conversations): text vs image columns for every
+    # drafter, and the convention-mismatch grid of the from-K2 init (trained fused / placeholder x served both)
+    label = next(k for k in report["rows"][0] if k.startswith("sim "))[4:]
+    assert all({f"text {label}", f"image {label}"} <= set(row) for row in report["rows"])
+    assert report["image_sequences"] >= 1 and report["rows"][2][f"image {label}"] >= 1.0
+    pairs = [(r["trained"], r["served"]) for r in report["mismatch"]]
+    assert sorted(pairs) == sorted((t, s) for t in ("fused", "placeholder") for s in ("fused", "placeholder"))
+    assert all(r[f"image {label}"] >= 1.0 for r in report["mismatch"])
+    for r in report["mismatch"]:  # the text part is served identically under both conventions
+        same = next(m for m in report["mismatch"] if m["trained"] == r["trained"] and m["served"] == r["trained"])
+        assert r[f"text {label}"] == same[f"text {label}"]
+    assert "train-aqmedai_k2-placeholder" in manifests
+    assert json.loads((tmp_path / "stages" / "k25_mini" / "train-aqmedai_k2-placeholder" / "final" / "config.json")
+                      .read_text())["eagle3_image_embeddings"] == "placeholder"
+    assert "## Image rows: trained with one convention" in (Path(out) / "report.md").read_text()
     # a rerun reuses every finished stage
     again = run_demo(cfg)
     rerun = json.loads((Path(again) / "report.json").read_text())

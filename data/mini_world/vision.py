@@ -27,10 +27,13 @@ IGNORE = -100
 
 @dataclass
 class ImageExample:
-    """One tokenized image conversation: ids, labels (IGNORE outside the answers), its image's PNG."""
+    """One tokenized image conversation: ids, labels (IGNORE outside the answers), its image's PNG and
+    that PNG's pixel_values [N, 3, 14, 14] / image_grid_thw [3] by K2.5's rule (made once)."""
     ids: list[int]
     labels: list[int]
     png: bytes
+    pixels: torch.Tensor
+    grid: torch.Tensor
 
 
 def conversation_turns(scene: scenes.Scene, rng: random.Random, max_turns: int) -> list[tuple[str, str]]:
@@ -55,7 +58,8 @@ def encode_example(tok, turns: list[tuple[str, str]], png: bytes) -> ImageExampl
         labels += answer
         msgs.append({"role": "assistant", "content": a})
         rendered = tok.apply_chat_template(msgs, tokenize=False)
-    return ImageExample(ids, labels, png)
+    pixels, grid = pixel_batch([png])
+    return ImageExample(ids, labels, png, pixels, grid[0])
 
 
 def _png_size(png: bytes) -> tuple[int, int]:
@@ -92,9 +96,9 @@ def collate(examples: list[ImageExample], pad_id: int) -> dict:
         ids[i, : len(e.ids)] = torch.tensor(e.ids)
         labels[i, : len(e.labels)] = torch.tensor(e.labels)
         mask[i, : len(e.ids)] = 1
-    pixel_values, thw = pixel_batch([e.png for e in examples])
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "pixel_values": pixel_values,
-            "image_grid_thw": thw}
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
+            "pixel_values": torch.cat([e.pixels for e in examples]),
+            "image_grid_thw": torch.stack([e.grid for e in examples])}
 
 
 def calm_position_table(wrapper, std: float = 0.02) -> None:
@@ -105,10 +109,15 @@ def calm_position_table(wrapper, std: float = 0.02) -> None:
         table.mul_(std / table.std().clamp_min(1e-12))
 
 
+def is_vision_param(name: str) -> bool:
+    return ".vision_tower." in f".{name}" or ".mm_projector." in f".{name}"
+
+
 def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tensor, cfg, *, seed: int,
                  device: torch.device) -> dict:
     """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
-    `cfg.text_batch_size` text blocks per step; the loss is their sum. Returns loss figures."""
+    `cfg.text_batch_size` text blocks per step; the loss is their sum. The new tower and projector learn at
+    `cfg.vision_lr_scale` x the LM's rate (the LM is trained already). Returns loss figures."""
     t = cfg.train
     calm_position_table(wrapper)
     images = BatchSampler(len(pool), min(t.batch_size, len(pool)), seed)
@@ -125,7 +134,8 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
             loss = loss + wrapper(input_ids=blocks, labels=blocks).loss
         return loss
 
-    stats = optimise(wrapper, t, loss_at, desc=f"k25-mini vision ({device.type})", device=device)
+    stats = optimise(wrapper, t, loss_at, desc=f"k25-mini vision ({device.type})", device=device,
+                     lr_scale=lambda name: cfg.vision_lr_scale if is_vision_param(name) else 1.0)
     tail = image_losses[-max(1, len(image_losses) // 10):]
     return {**stats, "image_examples": t.steps * t.batch_size, "first_image_loss": image_losses[0],
             "final_image_loss": sum(tail) / len(tail)}

@@ -104,6 +104,7 @@ class MiniVisionConf:
     text_batch_size: int = 4  # K2.5 text blocks (train.seq_len tokens) per step, next to train.batch_size images
     corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
     max_turns: int = 2  # questions per image conversation: 1..max_turns
+    vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
     train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=60, lr=2e-3, warmup_steps=6,
                                                                        batch_size=16, seq_len=128))
 
@@ -113,6 +114,8 @@ class MiniVisionConf:
                               "image rule keeps the scenes as drawn (no resize)")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("vision.hidden_size must be a multiple of vision.num_attention_heads")
+        if self.vision_lr_scale <= 0:
+            raise ConfigError("vision.vision_lr_scale must be > 0")
         if self.pool_examples < 1 or self.text_batch_size < 0 or self.corpus_every < 2 or not 1 <= self.max_turns <= 5:
             raise ConfigError("vision: pool_examples >= 1, text_batch_size >= 0, corpus_every >= 2 and "
                               "1 <= max_turns <= 5 are required")
