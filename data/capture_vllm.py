@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
-from data.capture_vllm_images import ImageRequest, ImageSkip, expansion_problem, image_request
+from data.capture_vllm_images import ImageRequest, ImageSkip, build_requests, expansion_problem, skip
 from eagle3 import target_io, vllm_images, vllm_protocol
 from eagle3.dtypes import torch_dtype
 from eagle3.fast_kernels import rms_norm
@@ -305,29 +305,6 @@ def _read(engine, setup: VllmSetup, x: torch.Tensor, request, path: str, H: int,
     raise AssertionError("unreachable")
 
 
-def _requests(batch: list[Seq], rows: list[dict], ids: list[torch.Tensor], writer: HiddenStateWriter,
-              images: tuple | None, stats: dict) -> list:
-    """One Request per sequence (None for one skipped here: its images cannot be sent, counted in the writer).
-    images: (image_token_id, tokenizer) when the data holds images."""
-    out = []
-    for s, r, x in zip(batch, rows, ids):
-        request = x.tolist()
-        if images is not None:
-            try:
-                request = image_request(r, x, images[0], images[1]) or request
-            except ImageSkip as e:
-                _skip(writer, s.id, e, stats)
-                request = None
-        out.append(request)
-    return out
-
-
-def _skip(writer: HiddenStateWriter, seq_id: str, e: ImageSkip, stats: dict) -> None:
-    writer.skip(seq_id, e.reason)
-    stats["image_skips"][e.reason] = stats["image_skips"].get(e.reason, 0) + 1
-    print(f"[capture] skipped {seq_id!r} ({e.reason}): {e.detail}")
-
-
 def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenStateWriter, cfg, setup: VllmSetup,
                   desc: str, images: tuple | None = None) -> dict:
     """Capture one split through the engine into `writer` (resuming: committed sequences are skipped;
@@ -354,7 +331,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
             rows = [ds[s.index] for s in batch]
             ids = [torch.as_tensor(r["input_ids"][: s.length], dtype=torch.long) for r, s in zip(rows, batch)]
             masks = [torch.as_tensor(r["loss_mask"][: s.length], dtype=torch.bool) for r, s in zip(rows, batch)]
-            requests = _requests(batch, rows, ids, writer, images, stats)
+            requests = build_requests(batch, rows, ids, writer, images, stats)
             sent = [k for k, r in enumerate(requests) if r is not None]
             stats["image_requests"] += sum(isinstance(requests[k], ImageRequest) for k in sent)
             try:
@@ -369,7 +346,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                 if problem is not None:  # this sequence only: its file (if any) is not needed
                     if not isinstance(reply, RequestRefused) and not vllm_protocol.remove_states_file(reply[0]):
                         deferred.append(reply[0])
-                    _skip(writer, s.id, problem, stats)
+                    skip(writer, s.id, problem, stats)
                     continue
                 path, greedy, _ = reply
                 try:

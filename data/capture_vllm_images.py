@@ -80,3 +80,27 @@ def expansion_problem(prepared: list[int], engine: list[int], pad_id: int) -> Im
     first = next((i for i, (a, b) in enumerate(zip(prepared, engine)) if a != b), min(len(prepared), len(engine)))
     return ImageSkip("engine_ids_mismatch", f"the engine's prompt ({len(engine)} ids) differs from prepare's "
                      f"({len(prepared)} ids) from position {first}")
+
+
+def build_requests(batch: list, rows: list[dict], ids: list[torch.Tensor], writer, images: tuple | None,
+                   stats: dict) -> list:
+    """One request per sequence of a batch (its ids, an ImageRequest, or None for one skipped here: its images
+    cannot be sent; counted in the store `writer`). images: (image_token_id, tokenizer) when the data holds images."""
+    out = []
+    for s, r, x in zip(batch, rows, ids):
+        request = x.tolist()
+        if images is not None:
+            try:
+                request = image_request(r, x, images[0], images[1]) or request
+            except ImageSkip as e:
+                skip(writer, s.id, e, stats)
+                request = None
+        out.append(request)
+    return out
+
+
+def skip(writer, seq_id: str, e: ImageSkip, stats: dict) -> None:
+    """Record a skipped sequence in the store writer and this run's counts, and say so in one line."""
+    writer.skip(seq_id, e.reason)
+    stats["image_skips"][e.reason] = stats["image_skips"].get(e.reason, 0) + 1
+    print(f"[capture] skipped {seq_id!r} ({e.reason}): {e.detail}")
