@@ -30,7 +30,7 @@ parts that run on CPU:
   (what vLLM's own Eagle3LlamaForCausalLM feeds) trains on it.
 
 Nothing here has run against a real vLLM engine (it cannot run on the project's machines). Imports only
-the standard library.
+eagle3.vllm_protocol (torch; core code).
 """
 from __future__ import annotations
 
