@@ -11,7 +11,9 @@ block (warn-only: an op with no deterministic kernel still runs) and records eve
 so a manifest says which ops could make two builds on one machine differ. On the CPU every op the
 builds use is deterministic for a fixed thread count; on CUDA cuBLAS needs CUBLAS_WORKSPACE_CONFIG
 set before its first use (set here when unset; a process that already used cuBLAS gets torch's
-warning, recorded like any other).
+warning, recorded like any other). Scaled-dot-product attention is pinned to its math kernel inside
+the block when CUDA is present: in warn-only mode the fused (flash / memory-efficient) backward kernels
+keep a non-deterministic split-key reduction, which made two GPU-size mini-world builds differ.
 
 Pure standard library (+ torch only inside `deterministic_algorithms`).
 """
@@ -33,6 +35,9 @@ CUBLAS_WORKSPACE = ":4096:8"             # torch's documented setting for determ
 FULL_HASH_LIMIT = 2 << 30                # weights up to 2 GiB are hashed whole; larger ones sampled
 SAMPLE_BYTES = 1 << 20
 _NONDETERMINISTIC = re.compile(r"^(.*?) does not have a deterministic implementation")
+# warn-only mode lets SDPA's fused backward kernels keep their split-key (atomic) reduction and says so
+# in this wording (torch's attention_backward.cu); seen on an H200 building the GPU-size mini world
+_DEFAULTS_NONDETERMINISTIC = re.compile(r"^(.*?) defaults to a non-deterministic algorithm")
 
 
 class WorldMismatch(StageError, ValueError):
@@ -130,6 +135,18 @@ def deterministic_ops_note(ops: list[str]) -> str:
             "ops without a deterministic implementation ran: " + ", ".join(ops))
 
 
+def deterministic_attention() -> contextlib.AbstractContextManager:
+    """SDPA restricted to its math kernel where CUDA is present (a deterministic matmul + softmax
+    under deterministic cuBLAS); on a CPU-only machine nothing changes, so CPU worlds keep their bits."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 @contextlib.contextmanager
 def deterministic_algorithms(record: list[str]) -> Iterator[None]:
     """Deterministic torch algorithms inside the block, warn-only; the name of every op that has no
@@ -144,7 +161,7 @@ def deterministic_algorithms(record: list[str]) -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     caught: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, deterministic_attention():
             warnings.simplefilter("always")
             yield
     finally:
@@ -152,7 +169,7 @@ def deterministic_algorithms(record: list[str]) -> Iterator[None]:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[2], prev[3]
         for w in caught:
             msg = str(w.message)
-            m = _NONDETERMINISTIC.match(msg)
+            m = _NONDETERMINISTIC.match(msg) or _DEFAULTS_NONDETERMINISTIC.match(msg)
             name = m.group(1) if m else ("cuBLAS without CUBLAS_WORKSPACE_CONFIG" if "CUBLAS_WORKSPACE_CONFIG"
                                          in msg else None)
             if name is not None:

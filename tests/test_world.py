@@ -100,6 +100,25 @@ def test_deterministic_block_records_nondeterministic_ops_and_restores_torch(mon
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
+def test_deterministic_block_records_attention_fallbacks_and_pins_sdpa_on_cuda(monkeypatch):
+    """warn-only mode lets SDPA's fused backward stay non-deterministic ("... defaults to a
+    non-deterministic algorithm"): the block records that wording too, and where CUDA is present it
+    runs attention on the math kernel (the flag torch's sdpa dispatch reads is off inside the block)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ops: list[str] = []
+    flags_before = torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
+    with deterministic_algorithms(ops):
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+        warnings.warn("Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly "
+                      "enable determinism call torch.use_deterministic_algorithms(True, warn_only=False).")
+    assert ops == ["Memory Efficient attention"]
+    assert (torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == flags_before
+
+
 def test_token_hash_sees_rows_masks_and_images():
     from eagle3.world import TokenHash
 
