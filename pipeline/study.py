@@ -30,6 +30,8 @@ from eagle3.accept_sim import SpecKnobs
 from eagle3.knob_grid import knob_grid
 from eagle3.conf import as_plain_dict, compose, to_schema
 from eagle3.manifest import atomic_write_json, sha256_file
+from pipeline.image_traffic import MISMATCH_INIT
+from pipeline.study_images import measure_mismatch, placeholder_run_name, traffic_metrics
 from pipeline.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
 
 
@@ -87,6 +89,7 @@ def point_metrics(report: dict) -> dict:
     return {"acc": acc, "acc_step0": acc[0] if acc else float("nan"),
             "acc_mean": sum(acc) / len(acc) if acc else float("nan"),
             "tau": {label: e["drafter"]["accept_length"] for label, e in report["accept"].items()},
+            **traffic_metrics(report),  # the same on text vs image conversations
             "sequences": report.get("sequences"), "warnings": report.get("warnings", [])}
 
 
@@ -110,13 +113,15 @@ class Evaluator:
 
         return load_drafter_dir(drafter_dir, embed_tokens=self.embed, device=self.device, dtype="float32").eval()
 
-    def metrics(self, drafter, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> dict:
+    def metrics(self, drafter, knobs: list[SpecKnobs], max_sequences: Optional[int],
+                image_embeddings: Optional[str] = None) -> dict:
+        """`image_embeddings`: serve the image rows under another convention than the eval config's."""
         from eagle3.replay.evaluate import evaluate_drafter
 
         drafter = drafter.to(self.device).eval()
         rep = evaluate_drafter(drafter, self.store, knobs=knobs, ttt_length=self.cfg.ttt_length,
                                max_sequences=max_sequences, ngram=None, progress=False,
-                               image_embeddings=self.image_embeddings)
+                               image_embeddings=image_embeddings or self.image_embeddings)
         return point_metrics(rep)
 
 
@@ -277,6 +282,27 @@ def measure_world(cfg, exp, log, t0: float, world: int) -> None:
                      lambda: curve(train_cfg, sides["k25"], curve_knobs, cfg.curve.max_sequences),
                      {"init": init, "seed": seed, "world_seed": world, "world": world_of(train_dir),
                       "train_dir": str(train_dir)})
+            if init == MISMATCH_INIT and cfg.image_mismatch:
+                image_mismatch(cfg, exp, log, sides["k25"], seed, world, train_dir)
+
+
+def image_mismatch(cfg, exp, log, ev: Evaluator, seed: int, world: int, fused_dir: Path) -> None:
+    """The convention-mismatch cost for one seed (pipeline/study_images.py): the from-K2 run trained
+    `placeholder` beside the study's own (`fused_dir`, auto = fused), both replayed under both conventions;
+    nothing when the K2.5 validation split holds no image traffic."""
+    record = json.loads((Path(cfg.out_dir) / RECORDS / f"{run_name(MISMATCH_INIT, seed, world)}.json").read_text())
+    if not record["points"][-1].get("image_sequences"):
+        print(f"[study] no image traffic in the K2.5 validation split: no convention-mismatch run", flush=True)
+        return
+    name = placeholder_run_name(seed, world_prefix(world))
+    over = run_overrides(cfg, exp.k25, MISMATCH_INIT, seed, name, group=f"{MISMATCH_INIT}-placeholder",
+                         extra=["image_embeddings=placeholder"])
+    ph_dir = log.run(f"study: train {name}", "train", over)
+    t = time.time()
+    measure_mismatch(Path(cfg.out_dir), name, {"fused": fused_dir, "placeholder": ph_dir}, ev,
+                     knobs_of(cfg.curve.knobs), cfg.curve.max_sequences,
+                     {"seed": seed, "world_seed": world, "world": world_of(ph_dir)})
+    log.rows.append((f"study: mismatch {name}", time.time() - t, str(ph_dir)))
 
 
 def save_timings(out_dir: Path, t0: float, rows) -> None:

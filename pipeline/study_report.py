@@ -285,6 +285,11 @@ def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
               "timings": load_timings(out_dir),
               "seeds": {i: sorted({r["seed"] for r in groups[i]}) for i in inits},
               "worlds": {str(w): fp for w, fp in sorted(worlds.items())}}
+    from pipeline.study_images import load_mismatch, render_images
+
+    mismatch = [m for m in load_mismatch(out_dir) if m.get("world_seed", 0) in cfg.world_seeds
+                and m.get("seed") in cfg.seeds]
+    result["images"] = render_images(groups, mismatch, cfg.primary_knob, LABELS)
     result["recommendation"] = recommendation(result["knobs"], cfg)
     result["table"] = budget_table(groups, inits, metrics)
     atomic_write_json(out_dir / "report.json", result)
@@ -415,6 +420,7 @@ def render(result: dict, groups: dict[str, list[dict]], cfg) -> str:
     lines += render_forgetting(result["forgetting"], cfg.primary_knob) + [""]
     lines += render_knobs(result["knobs"], result["recommendation"], result["latencies"]) + [""]
     lines += render_real(groups)
+    lines += ([""] if result.get("images") else []) + list(result.get("images") or [])
     for t in result.get("timings") or []:
         lines += ["", f"| step (invocation started {t['start']} UTC) | seconds |", "|---|---|"]
         lines += [f"| {label} | {sec:.1f} |" for label, sec, _ in t["rows"]]

@@ -125,6 +125,8 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
     for p in rec["points"]:
         assert len(p["acc"]) == 3 and set(p["tau"]) == {"2/1/3", "3/1/4", "3/2/6"}
         assert all(t >= 1.0 for t in p["tau"].values())  # the bonus token is always emitted
+        # text vs image traffic: this toy world is text only, so image is NaN and no mismatch run is made
+        assert p["image_sequences"] == 0 and p["tau_text"] == p["tau"] and all(t != t for t in p["tau_image"].values())
     assert set(rec["final"]["grid_tau"]) == {"1/1/2", "2/1/3", "2/2/4"}
     assert rec["final"]["real"]["2/1/3"]["lossless"] is True
     assert len(rec["final"]["k2_traffic"]["acc"]) == 3
@@ -146,6 +148,7 @@ def test_reduced_study_end_to_end(tmp_path, tiny_k25_target, tiny_k2_target):
                                                             "from the K2 drafter"}
     assert set(report["knobs"]) == {"k2_zero_shot", "scratch", "aqmedai_k2", "ngram"}  # n-gram: the no-drafter row
     assert report["recommendation"]["init"] in ("scratch", "aqmedai_k2")
+    assert report["images"] == [] and not (out / "mismatch").exists()
     rec_cmd = report["recommendation"]["command"]
     assert "--speculative-algorithm EAGLE3" in rec_cmd and "--speculative-num-steps" in rec_cmd
     assert any(row[0] == "study: train scratch-seed1" for t in report["timings"] for row in t["rows"])

@@ -103,10 +103,22 @@ def collate(examples: list[ImageExample], pad_id: int) -> dict:
 
 def calm_position_table(wrapper, std: float = 0.02) -> None:
     """transformers draws the tower's learned position table with std 1, which drowns the pixels of a tiny
-    tower (the features of two different scenes then differ by a few percent): redraw it at `std`."""
+    tower (the features of two different scenes then differ by a few percent): redraw it at `std`. And the
+    projector's output starts ~50x larger than the trained token embeddings, so an image row's residual stream
+    is its feature at every layer: scale the last projection to the embeddings' size. And a white patch (most
+    of a scene) gives the patch stem a large constant response that dwarfs the shapes: start every stem filter
+    at zero mean (a uniform grey patch reads 0), so what the tower sees first is colour and ink."""
     table = wrapper.model.vision_tower.patch_embed.pos_emb.position_embeddings
+    out = wrapper.model.mm_projector.out_proj
+    emb = wrapper.model.language_model.embed_tokens.weight
+    conv = wrapper.model.vision_tower.patch_embed.proj
     with torch.no_grad():
         table.mul_(std / table.std().clamp_min(1e-12))
+        conv.weight.sub_(conv.weight.mean(dim=(1, 2, 3), keepdim=True))
+        conv.bias.zero_()
+        scale = float(emb.std() / out.weight.std().clamp_min(1e-12)) / out.in_features ** 0.5
+        out.weight.mul_(scale)
+        out.bias.mul_(scale)
 
 
 def is_vision_param(name: str) -> bool:

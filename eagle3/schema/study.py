@@ -82,6 +82,9 @@ class StudyConfig(ForwardedSettings):
     # `make bench-serve` replaces it with cost.preset=measured:<file>.
     cost: CostConf = field(default_factory=lambda: CostConf(preset="account_8gpu_pcie_split"))
     wandb: WandbConf = field(default_factory=lambda: WandbConf(project="eagle3-study"))  # every run of the study, grouped by init
+    # the convention-mismatch cost on image traffic (pipeline/study_images.py): per seed, one extra run of the
+    # from-K2 init trained image_embeddings=placeholder, replayed with its fused twin under both conventions
+    image_mismatch: bool = True
     report_only: bool = False         # rebuild the report from <out_dir>/records/*.json without running anything
     seed: int = 0
     num_threads: int = 0              # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py)
