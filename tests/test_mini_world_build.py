@@ -142,3 +142,49 @@ def test_too_little_data_fails_clearly_and_leaves_no_manifest(tmp_path, tiny_cor
     with pytest.raises(MiniWorldError, match=r"no k2 training conversations left in .*tiny\.jsonl"):
         run_mini_world(cfg)
     assert not (tmp_path / "mini_world" / "manifest.json").exists()
+
+
+def test_seeing_k25_mini_is_captured_as_its_hf_multimodal_forward(tiny_world):
+    """The world's own k25-mini, through prepare (its corpus's image conversations) and capture: stored aux at
+    image and text rows = transformers' Kimi_K25ForConditionalGeneration forward with the pixels (fp32, 1e-5),
+    stored fused rows = its hidden_states[0] at the image rows."""
+    import datasets
+
+    from data.capture import Dist, run_capture
+    from data.prepare import run_prepare
+    from eagle3 import target_io
+    from eagle3.schema.capture import CaptureConfig
+    from eagle3.schema.prepare import PrepareConfig
+    from eagle3.store import HiddenStateStore
+    from eagle3.target_images import pixel_inputs
+
+    cfg, out = tiny_world
+    root = out.parent
+    base = [f"paths.root={root}", "target=k25_mini"]
+    prep = run_prepare(to_schema(compose("prepare", base + ["max_length=160", "validation_fraction=0.0",
+                                                            f"out_dir={root / 'prep-sees'}"]), PrepareConfig))
+    cap = run_capture(to_schema(compose("capture", base + [
+        f"in_dir={prep}", f"out_dir={root / 'cap-sees'}", "dtype=float32", "progress=false", "aux_hf_indices=[2,4,7]",
+        "splits=[train]"]), CaptureConfig), Dist())
+    store = HiddenStateStore(cap / "train")
+    rows = {r["id"]: r for r in datasets.load_from_disk(str(prep / "train"))}
+    model, text_cfg = target_io.load_target(out / "k25-mini", "kimi_k25", dtype="float32")
+    assert type(model).__name__ == "Kimi_K25ForConditionalGeneration"
+    H, pad = text_cfg["hidden_size"], model.config.image_token_id
+    seen = 0
+    for i in range(len(store)):
+        rec = store[i]
+        row = rows[rec["id"]]
+        if not row["images"]:
+            continue
+        seen += 1
+        pv, thw = pixel_inputs(row["images"], row["image_grid_thw"])
+        with torch.no_grad():
+            hs = model(input_ids=rec["input_ids"][None], pixel_values=pv, image_grid_thw=thw,
+                       output_hidden_states=True).hidden_states
+        for j, h in enumerate([2, 4, 7]):
+            torch.testing.assert_close(rec["aux"][:, j * H:(j + 1) * H], hs[h][0], rtol=1e-5, atol=1e-5)
+        is_image = rec["input_ids"] == pad
+        assert int(is_image.sum()) == 4 * len(row["images"])  # 56-pixel scenes: 4 <|media_pad|> rows each
+        torch.testing.assert_close(rec["image_embeds"], hs[0][0][is_image], rtol=1e-5, atol=1e-5)
+    assert seen == 3
