@@ -225,7 +225,7 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     _write_jsonl(out / "corpus" / f"{TARGET_NAMES[CODE]}.jsonl", eyes.interleave(k25_text, k25_images, v.corpus_every))
     stages.times["corpus"] = time.perf_counter() - t
     t = time.perf_counter()
-    seeing = _seeing_check(cfg, out, tok)
+    seeing = eyes.seeing_check(cfg, out / "k25-mini", tok)
     stages.times["seeing_check"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -350,56 +350,12 @@ def _model_stage(cfg, out: Path, stages: _Stages, tok, name: str, train_seqs, tr
     if name == "k2-mini":
         ck.save_causal_lm(model, out / "tokenizer", out / name)
     else:  # k25-mini sees: its vision tower + projector trained jointly with the LM, then saved as Kimi-K2.5
-        stats["vision"] = _train_vision(cfg, out / name, tok, model, train_seqs, device)
+        stats["vision"] = eyes.train_and_save(cfg, out / name, tok, model, train_seqs, device)
     atomic_write_json(out / name / "train_stats.json", stats)
     stages.mark(name)
     stages.times[name] = time.perf_counter() - t
     _log(f"{name}: loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f} in {stages.times[name]:.0f}s")
     return model
-
-
-def _train_vision(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
-    """Wrap the text-trained k25-mini in the Kimi-K2.5 layout with a random tiny vision tower, train the
-    whole on seeded scenes (and K2.5 text), save it, and copy the trained LM back into `model` (the text
-    model the perplexity table scores)."""
-    v = cfg.vision
-    vision_config = ck.seeing_vision_config(v.image_size, hidden_size=v.hidden_size,
-                                            num_hidden_layers=v.num_hidden_layers,
-                                            num_attention_heads=v.num_attention_heads,
-                                            intermediate_size=v.intermediate_size)
-    wrapper = ck.build_kimi_k25(model, vision_config, seed=cfg.seed, image_token_id=eyes.media_pad_id(tok))
-    pool = eyes.example_pool(tok, v.pool_examples, seed=cfg.seed + 10, size=v.image_size, max_turns=v.max_turns)
-    blocks = pack_blocks(train_seqs, v.train.seq_len)
-    _log(f"k25-mini vision: {sum(p.numel() for p in wrapper.model.vision_tower.parameters()) / 1e6:.3f}M tower "
-         f"params; {len(pool):,} scenes of {v.image_size}px, {v.train.steps} steps of {v.train.batch_size} images "
-         f"+ {v.text_batch_size} text blocks")
-    stats = eyes.train_seeing(wrapper, tok, pool, blocks, v, seed=cfg.seed + 3, device=device)
-    ck.save_kimi_k25_wrapper(wrapper, out_dir.parent / "tokenizer", out_dir)
-    model.model.load_state_dict(wrapper.model.language_model.state_dict())
-    model.lm_head.load_state_dict(wrapper.lm_head.state_dict())
-    return stats
-
-
-def _seeing_check(cfg, out: Path, tok, n: int = 12) -> dict:
-    """k25-mini's greedy captions of `n` held-out scenes: how many are exactly right and how many differ
-    (answers that depend on the image)."""
-    import random
-
-    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
-
-    from data.mini_world import scenes
-
-    rng = random.Random(cfg.seed + 30)
-    shown = [scenes.random_scene(rng) for _ in range(n)]
-    wrapper = Kimi_K25ForConditionalGeneration.from_pretrained(str(out / "k25-mini")).to(resolve_device(cfg.device))
-    question = scenes.QUESTIONS["caption"][0]
-    answers = eyes.greedy_answers(wrapper, tok, [scenes.png(scenes.draw_scene(s, cfg.vision.image_size)) for s in shown],
-                                  question, max_new_tokens=24)
-    truth = [scenes.answer(s, "caption") for s in shown]
-    return {"vision_params": sum(p.numel() for p in wrapper.model.vision_tower.parameters())
-            + sum(p.numel() for p in wrapper.model.mm_projector.parameters()),
-            "question": question, "scenes": n, "exact": sum(a.strip() == t for a, t in zip(answers, truth)),
-            "distinct": len(set(answers)), "examples": [[t, a] for t, a in list(zip(truth, answers))[:3]]}
 
 
 def format_report(r: dict) -> str:

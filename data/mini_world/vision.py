@@ -1,4 +1,4 @@
-"""k25-mini learns to see: a tiny Kimi-K2.5 vision tower + projector in front of the trained text model,
+"""k25-mini learns to see (`train_and_save`, called by the world builder; `seeing_check` for its report): a tiny Kimi-K2.5 vision tower + projector in front of the trained text model,
 trained jointly with it on seeded synthetic scenes (data/mini_world/scenes.py), and the held-out image
 conversations of the K2.5 corpus.
 
@@ -13,11 +13,13 @@ from __future__ import annotations
 import base64
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from data.mini_world import checkpoints as ck
 from data.mini_world import scenes
-from data.mini_world.lm import BatchSampler, optimise
+from data.mini_world.lm import BatchSampler, optimise, pack_blocks, resolve_device
 from data.mini_world.tokenizer import IM_END
 from eagle3 import images as img_rule
 from eagle3.media_tokens import MEDIA_PAD, user_content
@@ -196,3 +198,43 @@ def greedy_answers(wrapper, tok, pngs: list[bytes], question: str, max_new_token
 
 def media_pad_id(tok) -> int:
     return tok.convert_tokens_to_ids(MEDIA_PAD)
+
+
+def train_and_save(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
+    """Wrap the text-trained k25-mini in the Kimi-K2.5 layout with a random tiny vision tower, train the
+    whole on seeded scenes (and K2.5 text), save it, and copy the trained LM back into `model` (the text
+    model the perplexity table scores)."""
+    v = cfg.vision
+    vision_config = ck.seeing_vision_config(v.image_size, hidden_size=v.hidden_size,
+                                            num_hidden_layers=v.num_hidden_layers,
+                                            num_attention_heads=v.num_attention_heads,
+                                            intermediate_size=v.intermediate_size)
+    wrapper = ck.build_kimi_k25(model, vision_config, seed=cfg.seed, image_token_id=media_pad_id(tok))
+    pool = example_pool(tok, v.pool_examples, seed=cfg.seed + 10, size=v.image_size, max_turns=v.max_turns)
+    blocks = pack_blocks(train_seqs, v.train.seq_len)
+    print(f"[mini-world] k25-mini vision: {sum(p.numel() for p in wrapper.model.vision_tower.parameters()) / 1e6:.3f}M "
+          f"tower params; {len(pool):,} scenes of {v.image_size}px, {v.train.steps} steps of {v.train.batch_size} "
+          f"images + {v.text_batch_size} text blocks", flush=True)
+    stats = train_seeing(wrapper, tok, pool, blocks, v, seed=cfg.seed + 3, device=device)
+    ck.save_kimi_k25_wrapper(wrapper, out_dir.parent / "tokenizer", out_dir)
+    model.model.load_state_dict(wrapper.model.language_model.state_dict())
+    model.lm_head.load_state_dict(wrapper.lm_head.state_dict())
+    return stats
+
+
+def seeing_check(cfg, ckpt: Path, tok, n: int = 12) -> dict:
+    """k25-mini's greedy captions of `n` held-out scenes: how many are exactly right and how many differ
+    (answers that depend on the image)."""
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    rng = random.Random(cfg.seed + 30)
+    shown = [scenes.random_scene(rng) for _ in range(n)]
+    wrapper = Kimi_K25ForConditionalGeneration.from_pretrained(str(ckpt)).to(resolve_device(cfg.device))
+    question = scenes.QUESTIONS["caption"][0]
+    pngs = [scenes.png(scenes.draw_scene(s, cfg.vision.image_size)) for s in shown]
+    answers = greedy_answers(wrapper, tok, pngs, question, max_new_tokens=24)
+    truth = [scenes.answer(s, "caption") for s in shown]
+    return {"vision_params": sum(p.numel() for p in wrapper.model.vision_tower.parameters())
+            + sum(p.numel() for p in wrapper.model.mm_projector.parameters()),
+            "question": question, "scenes": n, "exact": sum(a.strip() == t for a, t in zip(answers, truth)),
+            "distinct": len(set(answers)), "examples": [[t, a] for t, a in list(zip(truth, answers))[:3]]}
