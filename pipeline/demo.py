@@ -225,7 +225,7 @@ def run_demo(cfg) -> Path:
 
     rows = comparison_rows(reports, labels)
     mismatch = []
-    if image_traffic.image_sequences(reports[image_traffic.MISMATCH_INIT]):
+    if cfg.image_mismatch and image_traffic.image_sequences(reports[image_traffic.MISMATCH_INIT]):
         mm = image_traffic.run_mismatch(log, k25, steps, list(ov.eval), train_dirs[image_traffic.MISMATCH_INIT],
                                         reports[image_traffic.MISMATCH_INIT])
         mismatch = image_traffic.mismatch_rows(mm, labels[0])

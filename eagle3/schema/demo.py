@@ -88,6 +88,9 @@ class DemoConfig(ForwardedSettings):
     # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py): all cores when idle OpenMP threads
     # sleep (pipeline/run_demo.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets one)
     num_threads: int = 0
+    # with image traffic in the K2.5 validation split: the from-K2 init trained image_embeddings=placeholder too
+    # and both replayed under both conventions (pipeline/image_traffic.py: one extra train run, three replays)
+    image_mismatch: bool = True
 
     def validate(self) -> None:
         forward_settings(self, {"mini_world.seed": "use seed=<world seed>", "train.max_steps": "use train_steps=<n>"})
