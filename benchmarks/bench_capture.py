@@ -15,7 +15,7 @@ target is about (layers here / 61) of the one measured here.
 
   GPU:  python3 benchmarks/bench_capture.py --layers 4 --experts 16 --batches 16
   CPU:  python benchmarks/bench_capture.py --tiny          (a smoke run of the same code)
-  a real checkpoint instead (weights loaded with eagle3.target_io.load_target):
+  a real checkpoint instead (weights loaded with eagle3.target_model.target_io.load_target):
         python benchmarks/bench_capture.py --target runs/mini_world/k25-mini --layout kimi_k25 --seq-len 512
 """
 from __future__ import annotations
@@ -23,22 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from data.capture import Dist  # noqa: E402
-from data.capture_hf import capture_batch, capture_split  # noqa: E402
-from data.capture_plan import Seq  # noqa: E402
-from eagle3 import aux_layers, target_io  # noqa: E402
-from eagle3.dtypes import torch_dtype  # noqa: E402
-from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
+from data.capture import Dist
+from data.capture_hf import capture_batch, capture_split
+from data.capture_plan import Seq
+from eagle3.engines import aux_layers
+from eagle3.target_model import target_io
+from eagle3.config.dtypes import torch_dtype
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
 
 
 def k25_shaped_config(args):
@@ -80,7 +78,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--aux-hf-indices", type=int, nargs=3, default=None,
-                    help="HF hidden-state indices h (eagle3/aux_layers.py); default: SGLang's for --layers")
+                    help="HF hidden-state indices h (eagle3/engines/aux_layers.py); default: SGLang's for --layers")
     ap.add_argument("--store-dtype", default="bfloat16")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--store-dir", default=None, help="where the store goes (default: a temp dir, deleted)")

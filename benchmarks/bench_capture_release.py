@@ -1,7 +1,7 @@
 """Capture from the Kimi-K2.5 release's own INT4 format at the real per-layer shape, through the
-real path: a checkpoint written in the release format (eagle3/release_format.py: routed experts of
+real path: a checkpoint written in the release format (eagle3/formats/release_format.py: routed experts of
 layers >= 1 INT4 pack-quantized by compressed-tensors, group 32; bf16 elsewhere; the release's
-names and quantization_config) with random weights, loaded by `eagle3.target_io.load_target`
+names and quantization_config) with random weights, loaded by `eagle3.target_model.target_io.load_target`
 (transformers + compressed-tensors, as `target=kimi_k25` does), then captured batch by batch by the
 capture stage's own `data.capture_hf.capture_batch` (hooks, post-norm state, chunked argmax).
 
@@ -20,19 +20,17 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.bench_capture import k25_shaped_config  # noqa: E402
-from data.capture_hf import capture_batch  # noqa: E402
-from eagle3 import release_format, target_io  # noqa: E402
+from benchmarks.bench_capture import k25_shaped_config
+from data.capture_hf import capture_batch
+from eagle3.formats import release_format
+from eagle3.target_model import target_io
 
 K25_LAYERS, K25_DENSE = 61, 1
 H200_GB = 141.0  # per GPU (vendor figure; 139 GiB usable seen here)

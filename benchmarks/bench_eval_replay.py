@@ -8,20 +8,17 @@ knob setting and the time of the teacher-forced accuracy pass.
     python benchmarks/bench_eval_replay.py --preset k2 --device cuda --tokens 1000000
 """
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from eagle3.accept_sim import SpecKnobs  # noqa: E402
-from eagle3.dtypes import torch_dtype  # noqa: E402
-from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3.store import HiddenStateStore, HiddenStateWriter  # noqa: E402
-from eagle3.replay.evaluate import simulate_accept_length, teacher_forced_accuracy  # noqa: E402
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.dtypes import torch_dtype
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
+from eagle3.replay.evaluate import simulate_accept_length, teacher_forced_accuracy
 
 PRESETS = {  # hidden, intermediate, heads, kv heads, head_dim, vocab, draft vocab
     "mini": (128, 384, 4, 4, 32, 8192, 4096),

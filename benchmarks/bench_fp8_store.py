@@ -30,12 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from eagle3.fp8 import dequantise_rows, quantise_rows  # noqa: E402
-from eagle3.store import HiddenStateStore  # noqa: E402
+from eagle3.formats.fp8 import dequantise_rows, quantise_rows
+from eagle3.formats.store import HiddenStateStore
 
 FP8 = "float8_e4m3fn"
 FORMATS = {"bf16": [], "fp8": [f"aux_dtype={FP8}"]}

@@ -2,7 +2,7 @@
 mini world (or any target whose capture + vocab stages and old drafter exist).
 
 For each rule (target_lm_head, mean, zeros) it builds the init=aqmedai_k2 training drafter
-(eagle3.init_drafter), then reports on the validation capture, before and after the same short
+(eagle3.drafter.initial), then reports on the validation capture, before and after the same short
 fine-tune (same seed, same batches, AdamW on all trainable weights):
   * TTT-step soft CE and accuracy over all loss positions;
   * step-0 accuracy on the positions whose target token is NEW to the draft vocab (the rows
@@ -18,23 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from eagle3 import target_io  # noqa: E402
-from eagle3.drafter_io import load_drafter_dir, save_drafter_dir  # noqa: E402
-from eagle3.init_drafter import build_training_drafter  # noqa: E402
-from eagle3.loss import loss_positions, shift_left  # noqa: E402
-from eagle3.store import HiddenStateStore  # noqa: E402
-from eagle3.ttt import TTTCache  # noqa: E402
-from eagle3.unroll import ttt_unroll  # noqa: E402
-from eagle3.vocab_map import ids_from_d2t, masked_token_counts, top_n_vocab  # noqa: E402
+from eagle3.target_model import target_io
+from eagle3.drafter.drafter_io import load_drafter_dir, save_drafter_dir
+from eagle3.drafter.initial import build_training_drafter
+from eagle3.ttt.loss import loss_positions, shift_left
+from eagle3.formats.store import HiddenStateStore
+from eagle3.ttt.attention import TTTCache
+from eagle3.ttt.unroll import ttt_unroll
+from eagle3.drafter.vocab_map import ids_from_d2t, masked_token_counts, top_n_vocab
 
 RULES = ("target_lm_head", "mean", "zeros")
 

@@ -1,5 +1,5 @@
 """Time one TTT training step of the drafter, the way train/loop.py runs it (without accelerate):
-the real objective (eagle3.unroll.TTTObjective: TTT unroll, fp32 teacher from the draft-vocab rows
+the real objective (eagle3.ttt.unroll.TTTObjective: TTT unroll, fp32 teacher from the draft-vocab rows
 of the target head, soft CE, 0.8^k weights), fp32 master weights under bf16 autocast on CUDA,
 frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5 (folded into the fused
 AdamW step as the trainer does it: train/engine.clip_gradients).
@@ -31,18 +31,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_specforge_anchor (--anchor), step_floor (--floor)
 
-import torch  # noqa: E402
+import torch
 
-from eagle3.loss import all_loss_positions  # noqa: E402
-from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3.ttt_flash import resolve_attention_kernel  # noqa: E402
-from eagle3.unroll import TTTObjective  # noqa: E402
-from eagle3 import triton_kernels  # noqa: E402
-from train.engine import clip_gradients, optimizer_step  # noqa: E402
-from train.optim import adamw  # noqa: E402
+from eagle3.ttt.loss import all_loss_positions
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.ttt.ttt_flash import resolve_attention_kernel
+from eagle3.ttt.unroll import TTTObjective
+from eagle3.ttt import triton_kernels
+from train.engine import clip_gradients, optimizer_step
+from train.optim import adamw
 
 K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_vocab=256, vocab=1024)
@@ -64,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--no-autocast", action="store_true", help="fp32 compute on CUDA too")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="for the MFU column (H200 bf16 dense)")
     p.add_argument("--impls", default="fast,reference",
-                   help="objective implementations to time, comma-separated (eagle3.unroll.TTTObjective impl); "
+                   help="objective implementations to time, comma-separated (eagle3.ttt.unroll.TTTObjective impl); "
                         "fast-flash / fast-cudnn = the fast path with that attention kernel (fast = --attention-kernel)")
     p.add_argument("--attention-kernel", default="auto", help="the fast path's attention kernel: auto | flash | cudnn")
     p.add_argument("--compile", action="store_true", help="fast path with torch.compile'd memory-bound pieces")
@@ -106,7 +105,7 @@ def parse_args(argv=None):
                    help="auto: the trainer's choice (train/optim.adamw: the Triton AdamW on CUDA); torch-fused: "
                         "torch's fused AdamW (the A/B of the optimizer kernel)")
     p.add_argument("--triton-kernels", default="on", choices=("on", "off"),
-                   help="off: the fast path's hand-written Triton kernels (eagle3/triton_kernels.py: diagonal merge, "
+                   help="off: the fast path's hand-written Triton kernels (eagle3/ttt/triton_kernels.py: diagonal merge, "
                         "soft CE) refuse every call and the compiled functions run (the A/B of those kernels)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -329,9 +328,9 @@ def profile_step(objective, rows, batch, amp, top: int = 60, shapes: bool = Fals
 
 
 def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tensor, mask_frac: float = 1.0) -> Path:
-    """A real hidden-state store (eagle3.store) of n random sequences of T tokens at these dims, the last
+    """A real hidden-state store (eagle3.formats.store) of n random sequences of T tokens at these dims, the last
     `mask_frac` of each in the loss (a prompt, then the assistant reply)."""
-    from eagle3.store import HiddenStateWriter
+    from eagle3.formats.store import HiddenStateWriter
 
     writer = HiddenStateWriter(out_dir, hidden_size=dims["hidden"], target_hidden_size=dims["hidden"],
                                hf_indices=[2, 30, 58], shard_tokens=4 * T)
@@ -345,11 +344,11 @@ def write_store(out_dir: Path, dims: dict, T: int, n: int, draft_ids: torch.Tens
 
 
 def bench_from_store(objective, rows, optimizer, params, device, amp, store_dir: Path, T: int, steps: int) -> dict:
-    """Steps fed by the training loop's own data path: train.data.make_loader (on a GPU: a reader
+    """Steps fed by the training loop's own data path: train.batches.make_loader (on a GPU: a reader
     thread collating straight into pinned memory) -> train.prefetch.DevicePrefetcher (host-to-device
     copy on a side stream). Also times the loader alone (batches/s it can deliver)."""
-    from eagle3.store import HiddenStateStore
-    from train.data import BatchStream, make_loader
+    from eagle3.formats.store import HiddenStateStore
+    from train.batches import BatchStream, make_loader
     from train.prefetch import DevicePrefetcher
 
     store = HiddenStateStore(store_dir, verify="size")

@@ -1,4 +1,4 @@
-"""Time and peak memory of the TTT attention implementations (eagle3.ttt.TTTCache impl=explicit vs
+"""Time and peak memory of the TTT attention implementations (eagle3.ttt.attention.TTTCache impl=explicit vs
 sdpa_mask), forward + backward over a full unroll, and optionally of the whole drafter unroll.
 
     python benchmarks/bench_ttt_attention.py                       # Kimi-K2.5 drafter attention shape, CUDA
@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from eagle3.ttt import TTTCache, ttt_position_ids  # noqa: E402
+from eagle3.ttt.attention import TTTCache, ttt_position_ids
 
 
 def sync(device):
@@ -92,7 +88,7 @@ def main():
                 torch.cuda.empty_cache()
             print(json.dumps(rows[-1]), flush=True)
     if args.drafter:
-        from eagle3.model import DrafterConfig, Eagle3Drafter
+        from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 
         cfg = DrafterConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
                             head_dim=128, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,

@@ -1,7 +1,7 @@
 """Benchmark of the vocab stage's counting: loss-masked token frequencies over N tokens on one
 CPU core (goal: 100M tokens in under a minute).
 
-Measures (1) the pure count (`eagle3.vocab_map.masked_token_counts` over in-memory chunks) and
+Measures (1) the pure count (`eagle3.drafter.vocab_map.masked_token_counts` over in-memory chunks) and
 (2) the stage's path from a prepared `datasets` directory on disk (Arrow list columns read as
 flat buffers by `data.vocab.iter_flat_chunks`, then counted), checked against each other.
 
@@ -9,17 +9,14 @@ flat buffers by `data.vocab.iter_flat_chunks`, then counted), checked against ea
     python benchmarks/bench_vocab.py --tokens 10000000 --no-disk
 """
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from data.vocab import count_loss_tokens, iter_flat_chunks  # noqa: E402
+from data.vocab import count_loss_tokens, iter_flat_chunks
 
 
 def synthetic(tokens: int, vocab: int, seq_len: int, seed: int = 0):

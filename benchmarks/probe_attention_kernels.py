@@ -1,23 +1,19 @@
 """Probe (device): cuDNN vs flash SDPA kernels for the TTT attention's causal block 0, at Kimi
 drafter dims (64 heads x 128, bf16, sequence-major [B,T,h,d] views). Checks that the cuDNN
-backward given a *merged* out / lse (eagle3/ttt_flash.py's trick) equals the flash backward given
+backward given a *merged* out / lse (eagle3/ttt/ttt_flash.py's trick) equals the flash backward given
 the same, and times forward + backward of each. Also times weight-gradient accumulation over 7
 steps: mm then add vs addmm_ into the accumulator.
 
 python3 benchmarks/probe_attention_kernels.py [--seq-lens 4096,8192] [--functions]
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from eagle3.attention_check import (_cudnn_disagreement, checked_attention_kernel, kernel_disagreement,  # noqa: E402
-                                    relative_l2)
-from eagle3.ttt_flash import _causal_backward, _causal_forward  # noqa: E402  (the kernels as training calls them)
+from eagle3.ttt.attention_check import (_cudnn_disagreement, checked_attention_kernel, kernel_disagreement,
+                                        relative_l2)
+from eagle3.ttt.ttt_flash import _causal_backward, _causal_forward  # (the kernels as training calls them)
 
 
 def timeit(fn, iters=10):
@@ -32,7 +28,7 @@ def timeit(fn, iters=10):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq-lens", default="4096,8192")
-    p.add_argument("--functions", action="store_true", help="only check eagle3/ttt_flash.py's Functions, cuDNN vs flash")
+    p.add_argument("--functions", action="store_true", help="only check eagle3/ttt/ttt_flash.py's Functions, cuDNN vs flash")
     a = p.parse_args()
     if a.functions:
         time_startup_check()
@@ -101,7 +97,7 @@ def main():
 
 
 def time_startup_check() -> None:
-    """The cost of training's start-up cuDNN check (eagle3/attention_check.py) as a fresh process pays
+    """The cost of training's start-up cuDNN check (eagle3/ttt/attention_check.py) as a fresh process pays
     it: the first call (which also builds cuDNN's execution plans) and a cached one."""
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)  # the CUDA context is not the check's cost
@@ -117,9 +113,9 @@ def time_startup_check() -> None:
 
 
 def check_functions(T: int, h: int = 8, d: int = 128, steps: int = 4) -> None:
-    """This repo's autograd Functions (eagle3/ttt_flash.py) with cuDNN vs flash, q/k as views of one
+    """This repo's autograd Functions (eagle3/ttt/ttt_flash.py) with cuDNN vs flash, q/k as views of one
     packed projection (as the fast unroll makes them): the worst relative L2 difference over the
-    outputs and gradients of a 4-step TTT chain (eagle3/attention_check.py, the start-up check)."""
+    outputs and gradients of a 4-step TTT chain (eagle3/ttt/attention_check.py, the start-up check)."""
     worst = kernel_disagreement("flash", "cudnn", torch.device("cuda"), torch.bfloat16, d, heads=h, T=T, steps=steps)
     print(f"  functions T={T}: {steps}-step TTT chain, cuDNN vs flash, worst rel L2 over outputs and grads {worst:.2e}",
           flush=True)

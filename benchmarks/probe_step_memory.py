@@ -16,12 +16,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench_train_step import K2, build, make_batch  # noqa: E402
+from bench_train_step import K2, build, make_batch
 
 REPO = str(Path(__file__).resolve().parents[1])
 

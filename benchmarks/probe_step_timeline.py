@@ -21,13 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench_train_step import K2, TINY, build, kernel_table, make_batch, train_step  # noqa: E402
-from train.optim import adamw  # noqa: E402  (the trainer's optimizer: the Triton AdamW on CUDA)
+from bench_train_step import K2, TINY, build, kernel_table, make_batch, train_step
+from train.optim import adamw  # (the trainer's optimizer: the Triton AdamW on CUDA)
 
 
 def gpu_intervals(events: list[dict]) -> list[tuple[float, float, str, int]]:

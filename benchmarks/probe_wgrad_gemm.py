@@ -8,15 +8,11 @@ steps). Checks that the in-place form writes the buffer it was given.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from eagle3.wgrad import matmul_accumulate  # noqa: E402
+from eagle3.ttt.wgrad import matmul_accumulate
 
 
 def timed(fn, n: int = 10) -> float:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.ttt_flash import causal_attention
-from eagle3.wgrad import matmul_accumulate
+from eagle3.ttt.ttt_flash import causal_attention
+from eagle3.ttt.wgrad import matmul_accumulate
 
 # how a GEMM's operands are laid out, as the fast step calls it (out [m, n]):
 #   "linear": x [m, k] @ W[n, k]^T (F.linear);  "dgrad": dy [m, k] @ W [k, n];
@@ -53,7 +53,7 @@ def step_ops(dims: dict, T: int, ttt: int, step_rows: list[int], teacher_rows: i
     """The GEMMs of one `ttt_unroll_fast` forward + backward in the order they run, with a marker where
     each TTT step's causal attention runs (ATTENTION_FORWARD / ATTENTION_BACKWARD). dims as
     bench_train_step.K2 (hidden, heads, kv_heads, head_dim, intermediate, draft_vocab); step_rows: the loss
-    rows of each TTT step (N_k), teacher_rows: the teacher rows (M), both from eagle3.loss.all_loss_positions."""
+    rows of each TTT step (N_k), teacher_rows: the teacher rows (M), both from eagle3.ttt.loss.all_loss_positions."""
     if len(step_rows) != ttt:
         raise ValueError(f"step_ops: {len(step_rows)} step row counts for {ttt} TTT steps")
     H, I, V = dims["hidden"], dims["intermediate"], dims["draft_vocab"]

@@ -9,24 +9,21 @@ implementation, and the verdict: same seed, same fingerprints?
 """
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.conf import compose, to_schema  # noqa: E402
-from eagle3.manifest import read_manifest  # noqa: E402
+from eagle3.config.conf import compose, to_schema
+from eagle3.formats.manifest import read_manifest
 
 
 def build(root: Path, seed: int, demo_size: str, device: str) -> dict:
     """One world: the mini world, then prepare on the K2.5 side, at `demo_size`; its fingerprints."""
     from data.mini_world.build import run_mini_world
     from data.prepare import run_prepare
-    from eagle3.schema.demo import DemoConfig
-    from eagle3.schema.mini_world import MiniWorldConfig
-    from eagle3.schema.prepare import PrepareConfig
+    from eagle3.config.schema.demo import DemoConfig
+    from eagle3.config.schema.mini_world import MiniWorldConfig
+    from eagle3.config.schema.prepare import PrepareConfig
 
     ov = to_schema(compose("demo", [f"paths.root={root}", f"demo_size={demo_size}"]), DemoConfig).overrides
     world_over = [o for o in ov.mini_world if not o.startswith("device=")] + [f"device={device}"]

@@ -1,11 +1,11 @@
 """Capture: run the target over the prepared dataset and write, per split, a hidden-state store
-(eagle3/store.py) holding per token the aux states of the configured layers [3H], the final
+(eagle3/formats/store.py) holding per token the aux states of the configured layers [3H], the final
 post-norm state [H], the target's argmax, the input id and the loss mask.
 
 The backend that runs the target is a `CaptureBackend` (data/capture_backends.py: hf in this process,
 data/capture_hf.py; vllm through an engine, data/capture_vllm.py). Order of work, so that bad input fails
 before the (possibly 10-minute) model load:
-  1. prepare manifest, target config, aux hidden-state indices h (eagle3/aux_layers.py: from the init
+  1. prepare manifest, target config, aux hidden-state indices h (eagle3/engines/aux_layers.py: from the init
      drafter's ids by init.aux_id_rule, or aux_hf_indices, or SGLang's default; checked), tokenizer fingerprint
      against the one the dataset was prepared with, dataset columns / token id range;
   2. reuse: a stage manifest matching config + inputs returns at once;
@@ -27,12 +27,13 @@ import torch
 
 from data.capture_backends import backend_for
 from data.capture_plan import CaptureError, plan_split
-from eagle3 import aux_layers, target_io
-from eagle3.aux_layers import AuxChoice, AuxLayerError
-from eagle3.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
-from eagle3.dtypes import torch_dtype
-from eagle3.manifest import read_json
-from eagle3.store import HiddenStateWriter, StoreMismatchError, merge_stores
+from eagle3.engines import aux_layers
+from eagle3.target_model import target_io
+from eagle3.engines.aux_layers import AuxChoice, AuxLayerError
+from eagle3.drafter.drafter_io import DrafterLoadError, listed_aux_ids, read_config_dict
+from eagle3.config.dtypes import torch_dtype
+from eagle3.formats.manifest import read_json
+from eagle3.formats.store import HiddenStateWriter, StoreMismatchError, merge_stores
 
 @dataclass
 class Dist:
@@ -170,10 +171,10 @@ def check_tokenizer(cfg, prep_manifest: dict) -> str:
 def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
     """The image row id when the prepared data holds images (an image capture: the store keeps the fused
     input embeddings of those rows), else None. The id prepare rendered must be the target's image_token_id
-    (eagle3/media_tokens.py)."""
+    (eagle3/target_model/media_tokens.py)."""
     if not (prep_manifest.get("counts") or {}).get("images"):
         return None
-    from eagle3.media_tokens import K25_IMAGE_TOKEN_ID
+    from eagle3.target_model.media_tokens import K25_IMAGE_TOKEN_ID
 
     pad = (prep_manifest.get("media_token_ids") or {}).get("pad")
     full = target_io.read_full_config(cfg.target.path)
@@ -199,10 +200,10 @@ def choose_aux_layers(cfg, num_layers: int) -> AuxChoice:
 
 
 def run_capture(cfg, dist: Dist | None = None) -> Path:
-    """The capture stage (`cfg`: eagle3.schema.capture.CaptureConfig). Returns the stage dir."""
+    """The capture stage (`cfg`: eagle3.config.schema.capture.CaptureConfig). Returns the stage dir."""
     import datasets
 
-    from eagle3.manifest import ManifestError, fingerprint, read_manifest, stale_keys, write_manifest
+    from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest, stale_keys, write_manifest
 
     out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
     try:

@@ -2,7 +2,7 @@
 hidden-state store; `BACKENDS` is the lookup table capture.backend names a key of.
 
 Adding a backend is one new module (a class with the members below) and one line in BACKENDS (plus its
-name in eagle3/choices.py CAPTURE_BACKENDS, which the config schema validates; tests/test_capture.py checks
+name in eagle3/config/choices.py CAPTURE_BACKENDS, which the config schema validates; tests/test_capture.py checks
 the two agree). The stage (data/capture.py) calls, in order:
   - `check(cfg, hf_indices, num_layers, max_len, dist, image_token_id)`: before any work, so bad input fails
     fast (image_token_id: the image row id when the prepared data holds images, else None);
@@ -10,7 +10,7 @@ the two agree). The stage (data/capture.py) calls, in order:
   - `capture_split(ds, seqs, writer, cfg, hf_indices, dist, desc, image_token_id)`: one split into its
     store writer, resuming; returns this run's counts;
   - `close()`.
-`image_rows` says what an image capture's store keeps at image rows (eagle3/store_format.py: FUSED, the
+`image_rows` says what an image capture's store keeps at image rows (eagle3/formats/store_format.py: FUSED, the
 fused input embeddings; NO_ROWS, none).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The hf capture backend (capture.backend=hf): the target loaded with transformers in this process,
-forward hooks on the aux layers (eagle3/target_io.py), the final norm's post-norm state and a chunked
+forward hooks on the aux layers (eagle3/target_model/target_io.py), the final norm's post-norm state and a chunked
 full-vocab argmax, written batch by batch into the split's store. One `CaptureBackend`
 (data/capture_backends.py).
 
@@ -13,10 +13,11 @@ import time
 import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
-from eagle3 import hooks, target_io
-from eagle3.dtypes import torch_dtype
-from eagle3.store_format import FUSED
-from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
+from eagle3 import hooks
+from eagle3.target_model import target_io
+from eagle3.config.dtypes import torch_dtype
+from eagle3.formats.store_format import FUSED
+from eagle3.formats.store import HiddenStateWriter, NonFiniteHiddenStateError
 
 PAD_ID = 0  # any valid id: padded positions are masked out of attention and never stored
 
@@ -56,7 +57,7 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], hf_indices: 
     the CPU. The finiteness check runs on the device (a CPU scan of 57 KB/token costs more).
 
     `images` (an image capture): per sequence None or (pixel_values, image_grid_thw); the text model then
-    runs on the fused input embeddings (eagle3/target_images.py), whose image rows come back per sequence."""
+    runs on the fused input embeddings (eagle3/target_model/target_images.py), whose image rows come back per sequence."""
     B, Tmax = len(batch_ids), max(len(x) for x in batch_ids)
     device = target_io.input_device(model)
     input_ids = torch.full((B, Tmax), PAD_ID, dtype=torch.long)
@@ -90,7 +91,7 @@ def capture_batch(model, text_model, batch_ids: list[torch.Tensor], hf_indices: 
 
 def _fused_embeddings(model, input_ids: torch.Tensor, image_token_id: int, images: list):
     """Fused input embeddings [B, T, H] of a batch with images (None when it has none)."""
-    from eagle3 import target_images
+    from eagle3.target_model import target_images
 
     present = [im for im in images if im is not None]
     if not present:
@@ -105,7 +106,7 @@ def kept_image_count(row: dict, kept_ids: torch.Tensor, image_token_id: int) -> 
     """How many of a prepared row's images its kept tokens hold: all of them, or the first k when capture
     truncated the sequence after the k-th image's last row. Raises CaptureError when the truncation cuts an
     image (its sequence is skipped)."""
-    from eagle3 import images as rule
+    from eagle3.target_model import images as rule
 
     data, grid_flat = row.get("images") or [], row.get("image_grid_thw") or []
     n_rows = int((kept_ids == image_token_id).sum())
@@ -122,7 +123,7 @@ def kept_image_count(row: dict, kept_ids: torch.Tensor, image_token_id: int) -> 
 def sequence_images(row: dict, kept_ids: torch.Tensor, image_token_id: int):
     """(pixel_values, image_grid_thw) of the images a sequence's kept tokens hold (kept_image_count), None
     without images. Raises CaptureError when the truncation cuts an image (its sequence is skipped)."""
-    from eagle3.target_images import pixel_inputs
+    from eagle3.target_model.target_images import pixel_inputs
 
     data, grid_flat = row.get("images") or [], row.get("image_grid_thw") or []
     k = kept_image_count(row, kept_ids, image_token_id)

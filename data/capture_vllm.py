@@ -19,7 +19,7 @@ never deleted while vLLM's writer still holds its lock (a read that times out on
 leaves that file for a sweep once the lock is released). target.dtype=float16 is refused for DeepSeek-family
 targets (vllm_protocol.fp16_rescale_problem).
 
-Images (data/capture_vllm_images.py, eagle3/vllm_images.py): a sequence whose kept tokens hold images goes
+Images (data/capture_vllm_images.py, eagle3/engines/vllm_images.py): a sequence whose kept tokens hold images goes
 to the chat endpoint (LLM.chat in process) with its images as data URIs; the prompt ids the engine returns
 must be prepare's exactly, else the sequence is a counted skip. The store keeps no fused rows
 (image_rows="none": the connector has no h = 0), so only image_embeddings=placeholder trains on it.
@@ -36,11 +36,13 @@ import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
 from data.capture_vllm_images import ImageRequest, ImageSkip, build_requests, expansion_problem, skip
-from eagle3 import target_io, vllm_images, vllm_protocol
-from eagle3.dtypes import torch_dtype
-from eagle3.fast_kernels import rms_norm
-from eagle3.store import HiddenStateWriter, NonFiniteHiddenStateError
-from eagle3.store_format import NO_ROWS
+from eagle3.target_model import target_io
+from eagle3.engines import vllm_images
+from eagle3.engines import vllm_protocol
+from eagle3.config.dtypes import torch_dtype
+from eagle3.ttt.fast_kernels import rms_norm
+from eagle3.formats.store import HiddenStateWriter, NonFiniteHiddenStateError
+from eagle3.formats.store_format import NO_ROWS
 
 PACKAGE = "vllm"
 
@@ -384,7 +386,7 @@ class VllmBackend:
     """capture.backend=vllm as a `CaptureBackend` (data/capture_backends.py): set up and checked before any
     work (one process, the package or the server), then one engine and the checkpoint's teacher head."""
     name = "vllm"
-    image_rows = NO_ROWS  # the connector has no h = 0: an image capture keeps no fused rows (eagle3/vllm_images.py)
+    image_rows = NO_ROWS  # the connector has no h = 0: an image capture keeps no fused rows (eagle3/engines/vllm_images.py)
 
     def __init__(self) -> None:
         self.setup: VllmSetup | None = None

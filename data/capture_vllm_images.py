@@ -1,12 +1,12 @@
 """The vLLM capture's image sequences (data/capture_vllm.py): a prepared row -> the chat request the engine
-renders back into prepare's own token ids (eagle3/vllm_images.py), and the check of the engine's expansion.
+renders back into prepare's own token ids (eagle3/engines/vllm_images.py), and the check of the engine's expansion.
 
 A sequence whose kept tokens hold images goes to the engine's chat endpoint: its ids with each `<|media_pad|>`
 run cut to one pad, decoded (special tokens kept), and its images as data URIs. The engine expands each pad
 by its own image rule and returns the prompt ids it ran; those must be prepare's exactly (same ids, same pad
 run lengths), or the sequence is a counted skip and its connector file is discarded. Skip reasons:
   image_mismatch          capture's max_seq_len cut an image (as the HF backend)
-  undecodable_image / oversized_image  a stored image no longer decodes (eagle3/images.py's reasons)
+  undecodable_image / oversized_image  a stored image no longer decodes (eagle3/target_model/images.py's reasons)
   image_prompt_unrenderable  the decoded text does not hold one K2.5 placeholder per image (the engine would
                           put the missing ones in front: another prompt)
   engine_refused_image    the engine answered the request with an error (HTTP 400: a refused image, ...)
@@ -22,8 +22,8 @@ import torch
 from data.capture_hf import kept_image_count
 from data.capture_plan import CaptureError
 from data.image_messages import pad_runs
-from eagle3 import images as img_rule
-from eagle3 import vllm_images
+from eagle3.target_model import images as img_rule
+from eagle3.engines import vllm_images
 
 SKIP_REASONS = ("image_mismatch", "undecodable_image", "oversized_image", "image_prompt_unrenderable", "engine_refused_image",
                 "engine_image_mismatch", "engine_ids_mismatch")

@@ -36,7 +36,7 @@ SKIP_REASONS = (
     "regen_failed",  # regeneration gave up on this conversation (after retries)
     "missing_image",  # an image reference that names no file (or is not a string)
     "undecodable_image",  # bytes no image decoder reads (or a data URI that is not base64)
-    "oversized_image",  # an image file / decoded image over the size limit (eagle3/images.py)
+    "oversized_image",  # an image file / decoded image over the size limit (eagle3/target_model/images.py)
     "remote_image",  # an http(s) image URL: nothing is downloaded; inline it as a data URI
     "image_unsupported",  # an image for a target that reads none (text-only K2), or one outside a user turn
     "image_token_mismatch",  # <|media_pad|> runs that do not match the images' counts, or <image> markers the images
@@ -142,7 +142,7 @@ def _content_text(content: Any, k: int) -> tuple[str, list]:
 
 def _load_images(messages: list[dict], base_dir: Optional[Path]) -> None:
     """Read, decode and size-check every image of the messages (data/image_messages.py), in place."""
-    from eagle3.images import ImageError
+    from eagle3.target_model.images import ImageError
 
     for k, m in enumerate(messages):
         if not m.get("images"):

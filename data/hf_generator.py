@@ -40,7 +40,7 @@ class HFGenerator:
 
     @classmethod
     def from_target(cls, target, tokenizer, regen_conf) -> "HFGenerator":
-        from eagle3.target_io import load_target
+        from eagle3.target_model.target_io import load_target
 
         model, text_config = load_target(target.path, target.layout, dtype=target.dtype, device_map=target.device_map,
                                          trust_remote_code=target.trust_remote_code)
@@ -86,7 +86,7 @@ class HFGenerator:
 
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [round_trip_stop(self.tok, longest, self.stop_ids, self.end_think)])
-        if seeing:  # the target's multimodal forward: its projector's rows at the image ids (eagle3/target_images.py)
+        if seeing:  # the target's multimodal forward: its projector's rows at the image ids (eagle3/target_model/target_images.py)
             kwargs["inputs_embeds"] = self._fused_embeddings(prompts, batch)
         with torch.no_grad():
             out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device), **kwargs)
@@ -106,9 +106,9 @@ class HFGenerator:
         """[B, T, H] input embeddings of the left-padded `batch` with every image's features at its
         `<|media_pad|>` rows (images in row-major order, as the prompts hold them). A target without a vision
         tower, or whose image_token_id is not the tokenizer's pad, fails the conversation."""
-        from eagle3.media_tokens import MediaTokenError, image_token_id
-        from eagle3.target_images import fused_input_embeddings, image_features, pixel_inputs
-        from eagle3.target_io import TargetError
+        from eagle3.target_model.media_tokens import MediaTokenError, image_token_id
+        from eagle3.target_model.target_images import fused_input_embeddings, image_features, pixel_inputs
+        from eagle3.target_model.target_io import TargetError
 
         try:
             pad_id = image_token_id(self.tok, self.model.config.to_dict())

@@ -29,12 +29,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Callable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.choices import TARGET_LAYOUTS  # noqa: E402
+from eagle3.config.choices import TARGET_LAYOUTS
 
 ACTIONS = ("ok", "500", "502", "503", "429", "reset", "hang", "malformed", "truncated", "empty", "slow")
 
@@ -234,7 +231,7 @@ def hf_generate_fn(target_path: str, tokenizer_path: str, layout: str, dtype: st
     from transformers import AutoTokenizer
 
     from data.regenerate import HFGenerator
-    from eagle3.target_io import load_target
+    from eagle3.target_model.target_io import load_target
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     model, text_config = load_target(target_path, layout, dtype=dtype, device_map=device_map,

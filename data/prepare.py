@@ -17,7 +17,7 @@ from data.conversations import (ROLE_MAP, SKIP_REASONS, Conversation, PrepareErr
                                 conversation_from_record, read_conversations)
 from data.image_messages import conversation_images, has_images, images_kept
 from data.template_encoder import Encoded, TemplateEncoder
-from eagle3.images import media_pad_count
+from eagle3.target_model.images import media_pad_count
 from eagle3.world import (TokenHash, combine, deterministic_algorithms, deterministic_ops_note, target_part,
                           world_fingerprint)
 
@@ -40,7 +40,7 @@ def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
 
 FEATURES_SPEC = {"id": "string", "input_ids": "int32", "loss_mask": "uint8", "prompt_len": "int32"}
 # An image conversation's images, in LM order (empty lists for text): the encoded bytes as read, and
-# image_grid_thw flattened (3 per image); pixel_values follow from both by eagle3/images.py's rule.
+# image_grid_thw flattened (3 per image); pixel_values follow from both by eagle3/target_model/images.py's rule.
 IMAGE_FEATURES_SPEC = {"images": "binary", "image_grid_thw": "int32"}
 
 
@@ -58,7 +58,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def input_fingerprint(path) -> str:
     """sha256 over a file, or over every file (relative name + content) of a directory."""
-    from eagle3.manifest import sha256_file
+    from eagle3.formats.manifest import sha256_file
 
     path = Path(path)
     if path.is_file():
@@ -121,7 +121,7 @@ def image_token_ids(target, tokenizer) -> tuple[Optional[dict], str]:
     the config is at hand, and the tokenizer's `<|media_pad|>` = its image_token_id), else (None, why not)."""
     import json
 
-    from eagle3.media_tokens import MEDIA_PAD, MediaTokenError, image_token_id, media_token_ids
+    from eagle3.target_model.media_tokens import MEDIA_PAD, MediaTokenError, image_token_id, media_token_ids
 
     if target.layout != "kimi_k25":
         return None, f"target {target.name!r} (layout {target.layout}) is text-only"
@@ -183,7 +183,7 @@ def load_tokenizer(target):
 
 
 def _reusable(out, config_dict: dict, fingerprints: dict) -> bool:
-    from eagle3.manifest import read_manifest, stale_keys
+    from eagle3.formats.manifest import read_manifest, stale_keys
 
     if stale_keys(out, "prepare", {"config": config_dict, "fingerprints": fingerprints}):
         return False
@@ -193,13 +193,13 @@ def _reusable(out, config_dict: dict, fingerprints: dict) -> bool:
 
 
 def run_prepare(cfg) -> Path:
-    """The prepare stage (`cfg`: eagle3.schema.prepare.PrepareConfig). Returns the stage dir."""
+    """The prepare stage (`cfg`: eagle3.config.schema.prepare.PrepareConfig). Returns the stage dir."""
     import os
     import shutil
     from tqdm import tqdm
 
-    from eagle3.conf import as_plain_dict
-    from eagle3.manifest import MANIFEST, write_manifest
+    from eagle3.config.conf import as_plain_dict
+    from eagle3.formats.manifest import MANIFEST, write_manifest
 
     out, src = Path(cfg.out_dir), Path(cfg.input)
     if not src.exists():

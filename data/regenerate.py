@@ -4,7 +4,7 @@ learns the distribution it will have to predict at serving time.
 Multi-turn: assistant turn k is generated from the conversation so far, in which the earlier
 assistant turns are already the regenerated ones (the target answering its own history).
 Two backends share one resumable store:
-- `hf`: local batched generation with the target (`eagle3.target_io.load_target`);
+- `hf`: local batched generation with the target (`eagle3.target_model.target_io.load_target`);
 - `openai`: any OpenAI-compatible `/v1/chat/completions` server (SGLang serving K2.5, vLLM,
   `data/openai_server.py`), a thread per conversation in flight, retries with exponential
   backoff and jitter on 5xx / 429 / connection errors / timeouts / malformed replies.

@@ -6,17 +6,13 @@ Runs the target over the prepared dataset and writes per split a hidden-state st
   aux_hf_indices=[2,30,58] or name the HF hidden-state indices h directly (null: SGLang's default)
   accelerate launch --num_processes N data/run_capture.py ...   one slice per process, merged by rank 0
 """
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from data.capture import run_capture  # noqa: E402
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.capture import CaptureConfig  # noqa: E402
+from data.capture import run_capture
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.capture import CaptureConfig
 
 
 @hydra.main(config_path="../conf", config_name="capture", version_base=None)

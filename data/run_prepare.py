@@ -3,17 +3,13 @@
 Conversations -> chat template + assistant-only loss mask -> datasets train/ and validation/.
 Regenerate the assistant turns with the target first: `regenerate.backend=hf` (local) or
 `regenerate.backend=openai regenerate.openai.base_url=http://host:port/v1` (any server)."""
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from data.prepare import run_prepare  # noqa: E402
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.prepare import PrepareConfig  # noqa: E402
+from data.prepare import run_prepare
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.prepare import PrepareConfig
 
 
 @hydra.main(config_path="../conf", config_name="prepare", version_base=None)

@@ -3,17 +3,13 @@
 Top-N draft vocab from the loss-masked token frequencies of the prepared train split; with
 `+init=aqmedai_k2` the report compares it with that drafter's mapping.
 Kimi-K2.5: `python data/run_vocab.py target=kimi_k25 draft_vocab_size=32000 +init=aqmedai_k2`."""
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from data.vocab import run_vocab  # noqa: E402
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.vocab import VocabConfig  # noqa: E402
+from data.vocab import run_vocab
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.vocab import VocabConfig
 
 
 @hydra.main(config_path="../conf", config_name="vocab", version_base=None)

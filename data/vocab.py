@@ -1,5 +1,5 @@
 """The vocab stage: token frequencies over the loss-masked tokens of the prepared split ->
-top-N draft vocab (eagle3.vocab_map) -> `vocab.safetensors` (`d2t` int64 [N], `t2d` bool [V],
+top-N draft vocab (eagle3.drafter.vocab_map) -> `vocab.safetensors` (`d2t` int64 [N], `t2d` bool [V],
 `counts` int64 [V]) + `report.json` + `manifest.json`.
 
 Counting is vectorised: the Arrow list columns are read as flat numpy buffers (no Python
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from eagle3.errors import StageError
-from eagle3.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, masked_token_counts,
-                              t2d_from_ids, top_n_vocab, validate_mapping)
+from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, masked_token_counts,
+                                      t2d_from_ids, top_n_vocab, validate_mapping)
 
 VOCAB_FILE = "vocab.safetensors"
 REPORT_FILE = "report.json"
@@ -69,7 +69,7 @@ def target_vocab_size(cfg) -> int:
     """V: the configured value, else the target's (text) config.json vocab_size."""
     if cfg.target_vocab_size:
         return int(cfg.target_vocab_size)
-    from eagle3.target_io import TargetError, read_text_config
+    from eagle3.target_model.target_io import TargetError, read_text_config
 
     try:
         return int(read_text_config(cfg.target.path, cfg.target.layout)["vocab_size"])
@@ -134,13 +134,13 @@ def build_report(counts: torch.Tensor, ids: torch.Tensor, n: int, old: Optional[
 
 
 def run_vocab(cfg) -> Path:
-    """The vocab stage (`cfg`: eagle3.schema.vocab.VocabConfig). Returns the stage dir."""
+    """The vocab stage (`cfg`: eagle3.config.schema.vocab.VocabConfig). Returns the stage dir."""
     import time
 
     from safetensors.torch import save_file
 
-    from eagle3.manifest import (ManifestError, atomic_write_json, fingerprint, read_manifest, sha256_file,
-                                 stale_keys, write_manifest)
+    from eagle3.formats.manifest import (ManifestError, atomic_write_json, fingerprint, read_manifest, sha256_file,
+                                         stale_keys, write_manifest)
 
     in_dir, out = Path(cfg.in_dir), Path(cfg.out_dir)
     try:

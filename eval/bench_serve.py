@@ -6,7 +6,7 @@
    from <out_dir>/requests/<server>.jsonl.
 3. Replay each speculative server's own generations with its knobs (eval/serve_compare.py): predicted vs
    served accept length per knob and per position, and the verdict of each checkable cause of a gap.
-4. Fit the cost split from the timings (eagle3/cost_fit.py), write <out_dir>/cost_preset.json (eval and
+4. Fit the cost split from the timings (eagle3/replay/cost_fit.py), write <out_dir>/cost_preset.json (eval and
    study take cost.preset=measured:<file>), replay the knob grid on the baseline's generations and price
    it: the knobs to serve with.
 5. report.json, plots, manifest.json, the table; wandb offline like the other stages.
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import aux_layers
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import ConfigError
-from eagle3.cost_fit import CostFitError, fit_cycle_costs
-from eagle3.cost_presets import MEASURED_PREFIX, preset_file_body
-from eagle3.manifest import MANIFEST, atomic_write_json, write_manifest
-from eagle3.schema.bench_serve import BenchServeConfig
+from eagle3.engines import aux_layers
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import ConfigError
+from eagle3.replay.cost_fit import CostFitError, fit_cycle_costs
+from eagle3.replay.cost_presets import MEASURED_PREFIX, preset_file_body
+from eagle3.formats.manifest import MANIFEST, atomic_write_json, write_manifest
+from eagle3.config.schema.bench_serve import BenchServeConfig
 from eval import serve_report as rep
-from eagle3.serve_protocol import server_info_speculation
+from eagle3.engines.serve_protocol import server_info_speculation
 from eval.wandb_log import log_run
 from eval.serve_client import Unreachable, sglang_server_info
 from eval.stage import drafter_checksum
@@ -36,7 +36,7 @@ REPORT, PRESET = "report.json", "cost_preset.json"
 
 
 def load_prompts(cfg: BenchServeConfig) -> list[list[int]]:
-    from eagle3.store import HiddenStateStore
+    from eagle3.formats.store import HiddenStateStore
     from eval.stage import prompts_from_store
 
     store_dir = Path(cfg.capture_dir) / cfg.split
@@ -103,8 +103,8 @@ def run_measurements(cfg: BenchServeConfig, everyone: list, prompts: list[list[i
 
 
 def _load_replay(cfg: BenchServeConfig):
-    from eagle3.drafter_io import load_drafter_dir
-    from eagle3.target_io import load_embed_tokens, load_target, read_text_config
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.target_model.target_io import load_embed_tokens, load_target, read_text_config
     from eval.serve_compare import GenerationReplay
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.compare.device == "auto" else cfg.compare.device
@@ -132,7 +132,7 @@ def _think_ids(cfg) -> list[int]:
 
 def compare_and_search(cfg: BenchServeConfig, servers: list, measured: dict, prompts, probes, report: dict) -> None:
     from eval.serve_compare import compare_server, gap_causes
-    from eagle3.knob_grid import knob_grid
+    from eagle3.replay.knob_grid import knob_grid
 
     replay, drafter = _load_replay(cfg)
     report["compare"] = {}

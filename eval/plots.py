@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from eagle3.manifest import atomic_write_bytes  # noqa: E402
+from eagle3.formats.manifest import atomic_write_bytes  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:

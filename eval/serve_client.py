@@ -1,6 +1,6 @@
 """HTTP to a running SGLang or vLLM server for `make bench-serve` (standard library only): probes,
 one streamed request with its timings, and retries that are counted. Field names come from
-eagle3/serve_protocol.py.
+eagle3/engines/serve_protocol.py.
 
 SGLang: POST /generate {"input_ids", "sampling_params", "stream": true}; server-sent events
 `data: {"text", "output_ids", "meta_info"}` (output_ids cumulative by default, incremental with
@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from eagle3 import serve_protocol as sp
+from eagle3.engines import serve_protocol as sp
 
 
 class Unreachable(OSError):

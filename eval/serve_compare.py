@@ -1,4 +1,4 @@
-"""Predicted vs served for `make bench-serve`: the eval stage's replay (eagle3/accept_sim.py through
+"""Predicted vs served for `make bench-serve`: the eval stage's replay (eagle3/replay/accept_sim.py through
 eagle3/replay, the target captured by eagle3/real_loop/check.py) over each prompt plus the server's
 own generation, with the server's knobs; and the verdict of every cause of a gap that can be checked
 from the client side and the drafter directory.
@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from eagle3 import aux_layers
-from eagle3 import serve_protocol as sp
-from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.engines import aux_layers
+from eagle3.engines import serve_protocol as sp
+from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
 from eagle3.real_loop.check import capture_sequence
 from eagle3.replay.drafter_session import SequenceDrafter
 
@@ -87,8 +87,8 @@ def _verdict(cause: str, ok: Optional[bool], detail: str) -> dict:
 def gap_causes(cfg, drafter, probes: dict, servers: list, records: dict, comparisons: dict,
                think_ids: list[int]) -> list[dict]:
     """The verdict of each checkable cause of a served-vs-predicted gap (README "Before you serve")."""
-    from eagle3.drafter_keys import engine_reading_problems
-    from eagle3.vocab_map import mapping_problems
+    from eagle3.drafter.drafter_keys import engine_reading_problems
+    from eagle3.drafter.vocab_map import mapping_problems
 
     out = []
     raw = json.loads((Path(cfg.drafter_dir) / "config.json").read_text())

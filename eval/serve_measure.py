@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
-from eagle3 import serve_protocol as sp
+from eagle3.engines import serve_protocol as sp
 from eagle3.errors import StageError
 from eval import serve_client as client
-from eagle3.serve_launch import ServeChoice, sglang_command, tensor_parallel, vllm_command
+from eagle3.engines.serve_launch import ServeChoice, sglang_command, tensor_parallel, vllm_command
 
 
 class BenchServeError(StageError):

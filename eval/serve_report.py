@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from eagle3 import serve_protocol as sp
-from eagle3.cost_fit import CostFit, CyclePoint
-from eagle3.cost_model import Latencies
+from eagle3.engines import serve_protocol as sp
+from eagle3.replay.cost_fit import CostFit, CyclePoint
+from eagle3.replay.cost_model import Latencies
 
 ACCEPT_LABELS = {
     "engine_pooled": "completion tokens / verify steps over all requests (SGLang's spec_accept_length, pooled; "
@@ -80,7 +80,7 @@ def measured_latencies(fit: CostFit, baseline_token_ms: float, source: str) -> L
 
 def knob_search(taus: dict, knobs: list, lat: Latencies, measured: dict) -> dict:
     """Every replayed setting priced by the measured costs; the best; measured speed-up where served."""
-    from eagle3.knob_grid import knob_table
+    from eagle3.replay.knob_grid import knob_table
 
     table = knob_table(taus, knobs, lat)
     for label, e in table.items():

@@ -13,15 +13,15 @@ from typing import Optional
 
 import torch
 
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import ConfigError, as_plain_dict
-from eagle3.cost_model import Latencies, predict
-from eagle3.cost_presets import resolve_preset
-from eagle3.image_embeddings import resolve as resolve_image_embeddings, rows_problem
-from eagle3.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
-                             write_manifest)
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import ConfigError, as_plain_dict
+from eagle3.replay.cost_model import Latencies, predict
+from eagle3.replay.cost_presets import resolve_preset
+from eagle3.drafter.image_embeddings import resolve as resolve_image_embeddings, rows_problem
+from eagle3.formats.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
+                                     write_manifest)
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
-from eagle3.schema.eval import EvalConfig
+from eagle3.config.schema.eval import EvalConfig
 from eval.wandb_log import log_run
 
 REPORT = "report.json"
@@ -140,9 +140,9 @@ def _log_wandb(cfg: EvalConfig, report: dict, out_dir: Path, plots: dict) -> Opt
 
 
 def run_eval(cfg: EvalConfig, console=None) -> Path:
-    from eagle3.drafter_io import load_drafter_dir
-    from eagle3.store import HiddenStateStore
-    from eagle3.target_io import load_embed_tokens, load_target, read_text_config
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.formats.store import HiddenStateStore
+    from eagle3.target_model.target_io import load_embed_tokens, load_target, read_text_config
     from eval.plots import write_plots
     from eagle3.real_loop.check import real_vs_simulated
     from eval.summary import print_summary

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from eagle3.conf import as_plain_dict
+from eagle3.config.conf import as_plain_dict
 
 log = logging.getLogger(__name__)
 

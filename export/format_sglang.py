@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from eagle3 import export_spec as spec
+from eagle3.formats import export_spec as spec
 from export.directory import FormatDirectory
-from eagle3.serve_launch import sglang_command
+from eagle3.engines.serve_launch import sglang_command
 
 
 class SGLang(FormatDirectory):
@@ -27,7 +27,7 @@ class SGLang(FormatDirectory):
     def load(self, path: Path, embed_tokens: Optional[Any] = None):
         import torch
 
-        from eagle3.drafter_io import load_drafter_dir
+        from eagle3.drafter.drafter_io import load_drafter_dir
 
         return load_drafter_dir(path, embed_tokens=embed_tokens, dtype=torch.float32)
 

@@ -11,10 +11,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from safetensors import safe_open
 
-from eagle3 import drafter_keys
-from eagle3 import export_spec as spec
+from eagle3.drafter import drafter_keys
+from eagle3.formats import export_spec as spec
 from export.directory import FormatDirectory
-from eagle3.serve_launch import vllm_command
+from eagle3.engines.serve_launch import vllm_command
 
 log = logging.getLogger(__name__)
 SUBDIR = "speculators"
@@ -49,7 +49,7 @@ def load_speculators_dir(path: Path, embed_tokens: Optional[torch.Tensor] = None
     """A speculators directory -> Eagle3Drafter (names mapped back, strict: every tensor must match; a shipped
     `embed_tokens.weight` is used, and must equal `embed_tokens` when both are there). Config keys no engine
     reads are reported (console, `model.load_report`)."""
-    from eagle3.model import DrafterConfig, Eagle3Drafter
+    from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 
     path = Path(path)
     cfg = json.loads((path / spec.CONFIG_FILE).read_text())

@@ -1,4 +1,4 @@
-"""The image_embeddings convention an exported drafter was trained with (eagle3/image_embeddings.py), found once
+"""The image_embeddings convention an exported drafter was trained with (eagle3/drafter/image_embeddings.py), found once
 for the export: the config.json key, SERVE.md's paragraph and the manifest read what `trained_convention` says.
 
 Where it is read, first found wins: the checkpoint's config.json (`eagle3_image_embeddings`, which the train
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from eagle3.image_embeddings import CONFIG_KEY, ENGINE_DEFAULT, check_convention, resolve, serving_mismatch
-from eagle3.manifest import ManifestError, read_json
+from eagle3.drafter.image_embeddings import CONFIG_KEY, ENGINE_DEFAULT, check_convention, resolve, serving_mismatch
+from eagle3.formats.manifest import ManifestError, read_json
 
 
 def trained_convention(ckpt: Path, drafter_json: Mapping[str, Any]) -> tuple[Optional[str], str]:
@@ -42,9 +42,9 @@ def serve_paragraph(convention: Optional[str], where: str) -> list[str]:
     feeds = ", ".join(f"{engine} feeds {conv}" for engine, conv in ENGINE_DEFAULT.items())
     if convention is None:
         return [f"Image rows: the drafter's training convention is {where}; {feeds} "
-                "(eagle3/image_embeddings.py)."]
+                "(eagle3/drafter/image_embeddings.py)."]
     lines = [f"Image rows: trained with image_embeddings=**{convention}** ({where}); {feeds} "
-             f"(eagle3/image_embeddings.py). config.json and speculators/config.json record it as `{CONFIG_KEY}`, "
+             f"(eagle3/drafter/image_embeddings.py). config.json and speculators/config.json record it as `{CONFIG_KEY}`, "
              "a key no engine reads (speculators 0.9.0 keeps extra config keys; vLLM 0.34.0 reads named keys only)."]
     lines += [f"- **warning**: {w}" for w in (serving_mismatch(convention, e) for e in ENGINE_DEFAULT) if w]
     return lines

@@ -4,17 +4,13 @@ The trained drafter (train-<name>/final) -> an SGLang directory (and a vLLM spec
 from disk and checked logit for logit against the checkpoint; prints the serve commands (SERVE.md).
 `+init=scratch` exports the scratch run; `format=sglang|speculators|both`; `dtype=float32` for an
 exact copy."""
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.export import ExportConfig  # noqa: E402
-from export.stage import run_export  # noqa: E402
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.export import ExportConfig
+from export.stage import run_export
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base=None)

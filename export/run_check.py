@@ -11,16 +11,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from eagle3 import aux_layers, target_io  # noqa: E402
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids, read_config_dict  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.manifest import MANIFEST, read_manifest  # noqa: E402
-from eagle3.schema.check import CheckConfig  # noqa: E402
+from eagle3.engines import aux_layers
+from eagle3.target_model import target_io
+from eagle3.config.conf import to_schema
+from eagle3.drafter.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids, read_config_dict
+from eagle3.errors import run_main, stage_errors
+from eagle3.formats.manifest import MANIFEST, read_manifest
+from eagle3.config.schema.check import CheckConfig
 
 
 @dataclass

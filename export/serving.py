@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from eagle3.serve_launch import ServeChoice, shell
+from eagle3.engines.serve_launch import ServeChoice, shell
 
 
 def _first(d: Mapping[str, Any], *keys: str) -> Any:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3 import aux_layers
-from eagle3.checkpoints import INDEX_FILE, index_problems
+from eagle3.engines import aux_layers
+from eagle3.formats.checkpoints import INDEX_FILE, index_problems
 from eagle3.errors import StageError
-from eagle3.manifest import ManifestError, fingerprint, read_json, sha256_file
-from eagle3.model import DrafterConfig
+from eagle3.formats.manifest import ManifestError, fingerprint, read_json, sha256_file
+from eagle3.drafter.model import DrafterConfig
 
 
 class ExportError(StageError, RuntimeError):
@@ -33,7 +33,7 @@ class Sources:
     drafter_json: dict            # the same file as written (its other served keys are carried: export_spec)
     target_text_cfg: dict
     target_architectures: list[str]
-    hf_indices: list[int]         # h the drafter was trained on (HF output_hidden_states; eagle3/aux_layers.py)
+    hf_indices: list[int]         # h the drafter was trained on (HF output_hidden_states; eagle3/engines/aux_layers.py)
     store: Any                    # the capture split used for the round trip (a HiddenStateStore)
     context_length: int           # max_position_embeddings the export writes
     served: DrafterConfig         # the config every format writes (see `served_config`)
@@ -66,9 +66,9 @@ def served_config(drafter: DrafterConfig, text: dict, hf_indices: list[int], con
 def gather_sources(config) -> Sources:
     """Read checkpoint config, target config and capture manifest; raise ExportError listing every
     inconsistency between them (ids, widths, vocab, context length, the train manifest's capture)."""
-    from eagle3.drafter_io import DrafterLoadError, inspect_drafter_dir, read_config_dict
-    from eagle3.store import HiddenStateStore, StoreError
-    from eagle3.target_io import TargetError, read_full_config, read_text_config
+    from eagle3.drafter.drafter_io import DrafterLoadError, inspect_drafter_dir, read_config_dict
+    from eagle3.formats.store import HiddenStateStore, StoreError
+    from eagle3.target_model.target_io import TargetError, read_full_config, read_text_config
 
     problems: list[str] = []
     ckpt, cap, eval_dir = Path(config.checkpoint_dir), Path(config.capture_dir), Path(config.eval_dir)

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import aux_layers
-from eagle3.dtypes import torch_dtype
-from eagle3.image_embeddings import CONFIG_KEY as IMAGE_KEY
-from eagle3.manifest import atomic_write_bytes, stale_keys, write_manifest
-from eagle3.serve_launch import tensor_parallel
+from eagle3.engines import aux_layers
+from eagle3.config.dtypes import torch_dtype
+from eagle3.drafter.image_embeddings import CONFIG_KEY as IMAGE_KEY
+from eagle3.formats.manifest import atomic_write_bytes, stale_keys, write_manifest
+from eagle3.engines.serve_launch import tensor_parallel
 from export.formats import FORMATS, formats_of
 from export.image_convention import serve_paragraph, trained_convention
 from export.roundtrip import RoundTripReference, describe, validation_batches
@@ -41,8 +41,8 @@ STAGE = "export"
 
 def run_export(config) -> Path:
     """Export `config.checkpoint_dir` to `config.out_dir` (see the module doc); returns out_dir."""
-    from eagle3.drafter_io import DrafterLoadError, compatibility_mismatches, load_drafter_dir
-    from eagle3.target_io import load_embed_tokens
+    from eagle3.drafter.drafter_io import DrafterLoadError, compatibility_mismatches, load_drafter_dir
+    from eagle3.target_model.target_io import load_embed_tokens
 
     out_dir, ckpt = Path(config.out_dir), Path(config.checkpoint_dir)
     _recover_interrupted_swap(out_dir)
@@ -65,7 +65,7 @@ def run_export(config) -> Path:
         images, images_from = trained_convention(ckpt, src.drafter_json)
     except ValueError as e:
         raise ExportError(f"cannot export {ckpt}", [str(e)]) from e
-    if images is not None:  # both config.json files record it (a key no engine reads: eagle3/drafter_keys.py)
+    if images is not None:  # both config.json files record it (a key no engine reads: eagle3/drafter/drafter_keys.py)
         configs["sglang"][IMAGE_KEY] = images
         configs["speculators"][IMAGE_KEY] = images
     # the drafter <-> target compatibility check (the one `make check` runs) on the config the export writes

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from eagle3 import aux_layers
-from eagle3.conf import compose, stage_schema, to_schema
+from eagle3.engines import aux_layers
+from eagle3.config.conf import compose, stage_schema, to_schema
 from eagle3.cpu_threads import WAIT_POLICY, auto_threads
-from eagle3.manifest import atomic_write_bytes, atomic_write_json
+from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json
 from data.capture import run_capture
 from data.mini_world.build import run_mini_world
 from data.prepare import run_prepare
@@ -74,7 +74,7 @@ def run_restarting_stale_training(run: Callable, typed) -> Path:
     """The train stage refuses to resume checkpoints written from other inputs (after a rerun of the
     demo with other settings, its capture changed). The demo owns its stage dirs: it drops those
     checkpoints and trains again, once."""
-    from eagle3.checkpoints import CheckpointError
+    from eagle3.formats.checkpoints import CheckpointError
 
     try:
         return run(typed)

@@ -1,6 +1,6 @@
 """Image traffic in the demo and the study: accept length on text vs image conversations (the eval report's
 `by_traffic`), and the cost of serving a drafter with the other image-row convention than it was trained with
-(issue 34: SGLang feeds the target's fused rows, vLLM embeds `<|media_pad|>`; eagle3/image_embeddings.py).
+(issue 34: SGLang feeds the target's fused rows, vLLM embeds `<|media_pad|>`; eagle3/drafter/image_embeddings.py).
 
 The mismatch grid is cheap on purpose: one extra training run (the from-K2 init trained `placeholder`; the
 demo's own from-K2 run is the `fused` one, auto = SGLang's), and three extra replays (the demo's own from-K2 eval is train fused / serve fused) without the real loop

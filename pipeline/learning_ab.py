@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.conf import compose, to_schema
-from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
+from eagle3.config.conf import compose, to_schema
+from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
 from pipeline.study import Evaluator, cached_record, curve, knobs_of, run_overrides, world_of
 from pipeline.study_report import load_records, machine, measured_on, metric_names, value
 from pipeline.study_stats import mean_std, welch_interval
@@ -53,8 +53,8 @@ def run_learning_ab(cfg) -> Path:
 
 def measure_arms(cfg, exp, log) -> None:
     """Train every (seed, arm) on the built experiment (pipeline/demo.py `Experiment`) and record its curve."""
-    from eagle3.schema.eval import EvalConfig
-    from eagle3.schema.train import TrainConfig
+    from eagle3.config.schema.eval import EvalConfig
+    from eagle3.config.schema.train import TrainConfig
 
     out_dir = Path(cfg.out_dir)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.eval_device == "auto" else cfg.eval_device
@@ -82,7 +82,7 @@ def measure_arms(cfg, exp, log) -> None:
 
 def load_ab_records(records_dir: Path, cfg) -> dict[str, list[dict]]:
     """{arm: records sorted by seed} for the configured arms and seeds; one world only (refused otherwise)."""
-    from eagle3.conf import ConfigError
+    from eagle3.config.conf import ConfigError
 
     by_arm: dict[str, list[dict]] = {a.name: [] for a in cfg.arms}
     worlds = set()

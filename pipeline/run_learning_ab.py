@@ -1,18 +1,14 @@
 """`make learning-ab`: the learning-quality A/B of two training code paths (pipeline/learning_ab.py)."""
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.cpu_threads import prefer_passive_wait  # noqa: E402
+from eagle3.cpu_threads import prefer_passive_wait
 
 prefer_passive_wait()  # before torch loads OpenMP (eagle3/cpu_threads.py says why)
 
-import hydra  # noqa: E402
+import hydra
 
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.learning_ab import LearningABConfig  # noqa: E402
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.learning_ab import LearningABConfig
 
 
 @hydra.main(config_path="../conf", config_name="learning_ab", version_base=None)

@@ -26,10 +26,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.accept_sim import SpecKnobs
-from eagle3.knob_grid import knob_grid
-from eagle3.conf import as_plain_dict, compose, to_schema
-from eagle3.manifest import atomic_write_json, sha256_file
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.replay.knob_grid import knob_grid
+from eagle3.config.conf import as_plain_dict, compose, to_schema
+from eagle3.formats.manifest import atomic_write_json, sha256_file
 from pipeline.image_traffic import MISMATCH_INIT
 from pipeline.study_images import measure_mismatch, placeholder_run_name, traffic_metrics
 from pipeline.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
@@ -76,7 +76,7 @@ def run_overrides(cfg, k25: list[str], init: str, seed: int, name: str, group: s
 
 def world_of(stage_dir: Path) -> Optional[dict]:
     """The world fingerprint a stage directory's manifest carries (eagle3/world.py), None if it has none."""
-    from eagle3.manifest import read_manifest
+    from eagle3.formats.manifest import read_manifest
     from eagle3.world import WORLD_KEY
 
     return read_manifest(stage_dir).get(WORLD_KEY)
@@ -98,10 +98,10 @@ class Evaluator:
     store loaded once)."""
 
     def __init__(self, eval_cfg, device: str):
-        from eagle3.store import HiddenStateStore
-        from eagle3.target_io import load_embed_tokens
+        from eagle3.formats.store import HiddenStateStore
+        from eagle3.target_model.target_io import load_embed_tokens
 
-        from eagle3.image_embeddings import resolve
+        from eagle3.drafter.image_embeddings import resolve
 
         self.cfg, self.device = eval_cfg, device
         self.image_embeddings = resolve(eval_cfg.image_embeddings)  # what the drafter reads at image rows
@@ -109,7 +109,7 @@ class Evaluator:
         self.embed = load_embed_tokens(eval_cfg.target.path, eval_cfg.target.layout)
 
     def load(self, drafter_dir: Path):
-        from eagle3.drafter_io import load_drafter_dir
+        from eagle3.drafter.drafter_io import load_drafter_dir
 
         return load_drafter_dir(drafter_dir, embed_tokens=self.embed, device=self.device, dtype="float32").eval()
 
@@ -127,7 +127,7 @@ class Evaluator:
 
 def curve(train_cfg, ev: Evaluator, knobs: list[SpecKnobs], max_sequences: Optional[int]) -> list[dict]:
     """[{step, tokens, metrics}] at 0 tokens (the init drafter) and at every kept checkpoint."""
-    from eagle3.checkpoints import list_checkpoints, load_training_state
+    from eagle3.formats.checkpoints import list_checkpoints, load_training_state
     from train.model_setup import init_drafter  # the drafter the run starts from (0 tokens), train's own code
 
     points = [{"step": 0, "tokens": 0, **ev.metrics(init_drafter(train_cfg), knobs, max_sequences)}]
@@ -143,8 +143,8 @@ class RealCheck:
     """The eval stage's real speculative loop (eagle3/real_loop/check.py) against k25-mini, loaded once."""
 
     def __init__(self, eval_cfg, device: str, conf):
-        from eagle3.target_io import load_target, read_text_config
-        from eagle3.image_embeddings import resolve
+        from eagle3.target_model.target_io import load_target, read_text_config
+        from eagle3.drafter.image_embeddings import resolve
         from eval.stage import prompt_images_from_store, prompts_from_store
 
         self.conf = conf
@@ -153,7 +153,7 @@ class RealCheck:
         if t.device_map is None:
             self.target.to(device)
         self.eos = read_text_config(t.path, t.layout).get("eos_token_id")
-        from eagle3.store import HiddenStateStore
+        from eagle3.formats.store import HiddenStateStore
 
         store = HiddenStateStore(Path(eval_cfg.capture_dir) / eval_cfg.split)
         self.prompts = prompts_from_store(store, conf.num_prompts)
@@ -240,8 +240,8 @@ def study_on(cfg, worlds: dict, log, t0: float) -> Path:
 
 def measure_world(cfg, exp, log, t0: float, world: int) -> None:
     """Steps 2-4 in one world: every run trained and measured, each record written as it finishes."""
-    from eagle3.schema.eval import EvalConfig
-    from eagle3.schema.train import TrainConfig
+    from eagle3.config.schema.eval import EvalConfig
+    from eagle3.config.schema.train import TrainConfig
 
     out_dir = Path(cfg.out_dir)
     runs_dir = out_dir / RECORDS

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from eagle3.manifest import atomic_write_json, sha256_file
+from eagle3.formats.manifest import atomic_write_json, sha256_file
 from pipeline.image_traffic import CONVENTIONS, MISMATCH_INIT
 from pipeline.study_stats import mean_std
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import ConfigError
-from eagle3.knob_grid import knob_table
-from eagle3.cost_model import FLAT_OF
-from eagle3.cost_presets import resolve_preset
-from eagle3.manifest import atomic_write_bytes, atomic_write_json
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import ConfigError
+from eagle3.replay.knob_grid import knob_table
+from eagle3.replay.cost_model import FLAT_OF
+from eagle3.replay.cost_presets import resolve_preset
+from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json
 from pipeline.study_stats import mean_std, token_saving_pairs, world_difference, world_spread
 
 ZERO_SHOT = "k2_zero_shot"
@@ -228,8 +228,8 @@ def knob_search(groups: dict[str, list[dict]], lat, flat=None) -> dict[str, dict
 def recommendation(knobs: dict[str, dict], cfg) -> dict:
     """The drafter and setting with the highest mean predicted speed-up, and the SGLang command for the
     real models (paths from the export / target configs)."""
-    from eagle3.conf import compose
-    from eagle3.serve_launch import ServeChoice, sglang_command, shell, tensor_parallel
+    from eagle3.config.conf import compose
+    from eagle3.engines.serve_launch import ServeChoice, sglang_command, shell, tensor_parallel
 
     trained = {k: v for k, v in knobs.items() if k not in (ZERO_SHOT, NGRAM)}
     if not trained:

@@ -1,9 +1,9 @@
-"""Accept-length replay on hand-made drafters and hand-checked trees (eagle3/accept_sim.py)."""
+"""Accept-length replay on hand-made drafters and hand-checked trees (eagle3/replay/accept_sim.py)."""
 import pytest
 import torch
 
-from eagle3.accept_sim import (AcceptStats, DraftTree, SpecKnobs, build_sglang_tree, greedy_segments,
-                               greedy_tree_accept, replay_sequence)
+from eagle3.replay.accept_sim import (AcceptStats, DraftTree, SpecKnobs, build_sglang_tree, greedy_segments,
+                                      greedy_tree_accept, replay_sequence)
 
 
 def greedy_world(T=40, prompt=5, seed=0, vocab=50):
@@ -201,7 +201,7 @@ def test_knob_validation_and_merge():
 
 
 def test_chain_runs_replay_equals_tree_replay():
-    from eagle3.accept_sim import leading_hits, replay_chain_runs
+    from eagle3.replay.accept_sim import leading_hits, replay_chain_runs
 
     hits = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
     assert leading_hits(hits).tolist() == [2, 1, 0, 3, 1]

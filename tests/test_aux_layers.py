@@ -1,8 +1,8 @@
-"""eagle3.aux_layers: the engines' rules turning a drafter config's aux layer ids into Hugging Face
+"""eagle3.engines.aux_layers: the engines' rules turning a drafter config's aux layer ids into Hugging Face
 hidden-state indices h, their inverse for export, SGLang's default, and the checks."""
 import pytest
 
-from eagle3 import aux_layers as al
+from eagle3.engines import aux_layers as al
 
 L = 61  # Kimi-K2 / K2.5
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from data.openai_server import FaultPlan
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import save_drafter_dir
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.real_loop.chain import greedy_decode
 from eagle3.real_loop.check import capture_sequence
-from eagle3.schema.bench_serve import BenchServeConfig, ServerConf
-from eagle3.store import HiddenStateWriter
-from eagle3.target_io import load_target
+from eagle3.config.schema.bench_serve import BenchServeConfig, ServerConf
+from eagle3.formats.store import HiddenStateWriter
+from eagle3.target_model.target_io import load_target
 from eval.bench_serve import run_bench_serve
 from eval.serve_measure import BenchServeError
 from tests.fixtures.real_loop import AUX_H, fitted_drafter, prompts
@@ -118,8 +118,8 @@ def test_bench_serve_recovers_the_cost_split_and_matches_the_replay(world, capsy
         # the preset is what eval and study take
         preset = report["cost_preset"]
         from eval.stage import latencies_from_config
-        from eagle3.schema.eval import EvalConfig
-        from eagle3.schema.study import StudyConfig
+        from eagle3.config.schema.eval import EvalConfig
+        from eagle3.config.schema.study import StudyConfig
 
         ev = to_schema(compose("eval", [f"paths.root={world['root']}", f"cost.preset={preset}"]), EvalConfig)
         assert latencies_from_config(ev.cost).draft_step_ms == pytest.approx(fit["draft_step_ms"])

@@ -10,10 +10,10 @@ import torch
 import data.capture as capture_mod
 from data.capture import CaptureError, Dist, plan_split, run_capture
 from data.capture_plan import make_batches
-from eagle3 import target_io
-from eagle3.conf import ConfigError, compose, to_schema
-from eagle3.schema.capture import CaptureConfig
-from eagle3.store import HiddenStateStore
+from eagle3.target_model import target_io
+from eagle3.config.conf import ConfigError, compose, to_schema
+from eagle3.config.schema.capture import CaptureConfig
+from eagle3.formats.store import HiddenStateStore
 from numeric_checks import assert_argmax_up_to_ties
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 
@@ -386,9 +386,9 @@ def test_kimi_ids_capture_h_2_30_58_and_export_as_1_29_57(tmp_path, target_61, p
     """Issue 23's case on a 61-layer target: an init drafter listing [2, 30, 58] (lightseekorg's form) or
     [1, 29, 57] yields a store with Kimi's h = [2, 30, 58] under the default rule; a drafter trained on it
     exports ids [1, 29, 57], which every engine rule reads back as the trained h."""
-    from eagle3 import aux_layers
-    from eagle3.drafter_io import save_drafter_dir
-    from eagle3.init_drafter import build_training_drafter
+    from eagle3.engines import aux_layers
+    from eagle3.drafter.drafter_io import save_drafter_dir
+    from eagle3.drafter.initial import build_training_drafter
     from export.stage import run_export
 
     from tests.faults.fault_helpers import export_config
@@ -430,9 +430,9 @@ def test_states_no_sglang_id_list_means_in_every_version_export_with_the_version
         tmp_path, target_61, prepared):
     """h = [3, 31, 59] (the old reading of ids [2, 30, 58]): no id list means it in both SGLang rules, so the
     export writes the current rule's ids and says which SGLang reads them so, in the config and SERVE.md."""
-    from eagle3 import aux_layers
-    from eagle3.drafter_io import save_drafter_dir
-    from eagle3.init_drafter import build_training_drafter
+    from eagle3.engines import aux_layers
+    from eagle3.drafter.drafter_io import save_drafter_dir
+    from eagle3.drafter.initial import build_training_drafter
     from export.stage import run_export
 
     from tests.faults.fault_helpers import export_config
@@ -453,9 +453,9 @@ def test_states_no_sglang_id_list_means_in_every_version_export_with_the_version
 
 
 def test_the_backend_table_is_the_config_choice_list():
-    """capture.backend's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree."""
+    """capture.backend's choices (eagle3/config/choices.py, read by the schema) and the table the stage reads agree."""
     from data.capture_backends import BACKENDS, backend_for
-    from eagle3.choices import CAPTURE_BACKENDS
+    from eagle3.config.choices import CAPTURE_BACKENDS
 
     assert tuple(BACKENDS) == CAPTURE_BACKENDS
     assert backend_for("hf").name == "hf" and backend_for("vllm").name == "vllm"

@@ -8,12 +8,12 @@ import torch
 
 from data.capture import Dist, run_capture
 from data.prepare import run_prepare
-from eagle3 import images as img_rule
-from eagle3 import target_io
-from eagle3.conf import compose, to_schema
-from eagle3.schema.capture import CaptureConfig
-from eagle3.store import HiddenStateStore, HiddenStateWriter, StoreError
-from eagle3.target_images import pixel_inputs
+from eagle3.target_model import images as img_rule
+from eagle3.target_model import target_io
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.capture import CaptureConfig
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter, StoreError
+from eagle3.target_model.target_images import pixel_inputs
 from tests.fixtures.images import media_tokenizer, png_bytes, seeing_k25_target  # noqa: F401 (fixtures)
 from tests.fixtures.prepare import GOOD, prepare_config, write_jsonl
 

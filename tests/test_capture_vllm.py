@@ -14,8 +14,9 @@ import torch
 
 from data import capture_vllm
 from data.capture import CaptureError, Dist, run_capture
-from eagle3 import aux_layers, vllm_protocol
-from eagle3.store import HiddenStateStore
+from eagle3.engines import aux_layers
+from eagle3.engines import vllm_protocol
+from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_capture import LIMIT, assert_no_connector_files, assert_same_store, hf_store  # noqa: F401
 from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fake_vllm_module, parse_serve_command
@@ -58,7 +59,7 @@ def test_protocol_facts_follow_the_vllm_rule_of_aux_layers():
                                            "eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}}}
     assert args.kv_transfer_config == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                        "kv_connector_extra_config": {"shared_storage_path": "/data/hs"}}
-    # chunked prefill stays on (vLLM's default; the reasons in eagle3/vllm_protocol.py's docstring; its
+    # chunked prefill stays on (vLLM's default; the reasons in eagle3/engines/vllm_protocol.py's docstring; its
     # bookkeeping run through vLLM's own code in tests/test_vllm_sources.py)
     assert "chunked" not in cmd and not any("chunked" in k for k in vllm_protocol.llm_kwargs(
         "/m", [2, 61], "/hs", tensor_parallel_size=1, max_model_len=None, trust_remote_code=False, dtype="bfloat16"))

@@ -1,4 +1,4 @@
-"""capture.backend=vllm with images, against the vLLM stand-in (tests/standins/vllm_standin.py; eagle3/vllm_images.py's
+"""capture.backend=vllm with images, against the vLLM stand-in (tests/standins/vllm_standin.py; eagle3/engines/vllm_images.py's
 protocol): image sequences go through the chat endpoint and the engine's expansion of the placeholders is checked
 against prepare's; the store equals the HF backend's at every row (aux, last, argmax) and keeps no fused rows
 (image_rows="none"); a refused image or a count mismatch is a counted skip naming the record, no other record
@@ -15,8 +15,8 @@ import torch
 
 from data.capture import CaptureError, Dist, run_capture
 from data.capture_vllm_images import ImageSkip, expansion_problem, image_request
-from eagle3 import vllm_images
-from eagle3.store import HiddenStateStore
+from eagle3.engines import vllm_images
+from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.images import media_tokenizer, png_bytes, seeing_k25_target  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_images import image_capture_config, image_hf_store, image_prepared  # noqa: F401
 from tests.standins.vllm_standin import Faults, StandinServer, fake_vllm_module
@@ -156,7 +156,7 @@ def test_chat_replies_are_parsed_or_refused():
     reply = {"prompt_token_ids": [1, 2], "choices": [{"token_ids": [5]}],
              "kv_transfer_params": {"hidden_states_path": "/x/a.safetensors"}}
     assert vllm_images.parse_chat(reply) == ("/x/a.safetensors", 5, [1, 2])
-    from eagle3.vllm_protocol import VllmProtocolError
+    from eagle3.engines.vllm_protocol import VllmProtocolError
     with pytest.raises(VllmProtocolError, match="prompt_token_ids"):
         vllm_images.parse_chat({**reply, "prompt_token_ids": None})
     with pytest.raises(VllmProtocolError, match="kv_transfer_params"):

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3 import REPO_ROOT
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import save_drafter_dir
-from eagle3.manifest import write_manifest
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.schema.check import CheckConfig
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import save_drafter_dir
+from eagle3.formats.manifest import write_manifest
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.config.schema.check import CheckConfig
 from export.run_check import run_check
 
 TEXT = {"model_type": "deepseek_v3", "hidden_size": 16, "num_hidden_layers": 6, "vocab_size": 80,

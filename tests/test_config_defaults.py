@@ -1,6 +1,6 @@
-"""One source of config defaults: each stage's typed schema (eagle3/schema/<stage>.py) is the base of
+"""One source of config defaults: each stage's typed schema (eagle3/config/schema/<stage>.py) is the base of
 its primary config, conf/<stage>.yaml adds only config groups and the paths derived from them, and
-every choice list a config validates against is defined once (eagle3/choices.py)."""
+every choice list a config validates against is defined once (eagle3/config/choices.py)."""
 import ast
 import dataclasses
 import subprocess
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from eagle3 import REPO_ROOT, choices
-from eagle3.conf import CONF_DIR, SCHEMA_GROUP, ConfigError, as_plain_dict, compose, stage_schema, to_schema
+from eagle3 import REPO_ROOT
+from eagle3.config import choices
+from eagle3.config.conf import CONF_DIR, SCHEMA_GROUP, ConfigError, as_plain_dict, compose, stage_schema, to_schema
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 CONVERTED = STAGES  # every stage: its schema is the one home of its defaults
@@ -87,15 +88,15 @@ def test_primary_yaml_holds_only_groups_and_derived_paths(stage):
             continue
         value = OmegaConf.to_container(raw, resolve=False)[key]
         assert isinstance(value, str) and "${" in value, \
-            f"conf/{stage}.yaml sets {key}={value!r}: put the default in eagle3/schema/{stage}.py"
+            f"conf/{stage}.yaml sets {key}={value!r}: put the default in eagle3/config/schema/{stage}.py"
 
 
-GROUP_SCHEMAS = {"init": "InitConf", "target": "TargetConf"}  # conf/<group>/*.yaml -> eagle3/schema/common.py
+GROUP_SCHEMAS = {"init": "InitConf", "target": "TargetConf"}  # conf/<group>/*.yaml -> eagle3/config/schema/common.py
 
 
 def group_repeats(group: str) -> list[str]:
     """Keys a group file (conf/<group>/<choice>.yaml) sets to its schema's own default: a second home."""
-    from eagle3.schema import common
+    from eagle3.config.schema import common
 
     defaults = defaults_of(getattr(common, GROUP_SCHEMAS[group]))
     found = []
@@ -128,7 +129,7 @@ def test_group_repeat_check_sees_a_repeated_default(tmp_path, monkeypatch):
                                                 for c in sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))])
 def test_a_group_choice_composes_to_its_file_over_the_schema(stage, group, choice, tmp_path):
     """Each group file, chosen, gives the schema's defaults except where the file says otherwise."""
-    from eagle3.schema import common
+    from eagle3.config.schema import common
 
     overrides = [f"paths.root={tmp_path}", "+init=scratch" if group != "init" else f"+init={choice}"]
     if group == "target":
@@ -181,8 +182,8 @@ def test_a_bad_value_is_the_schemas_error_not_hydras(tmp_path):
 def test_schemas_import_without_torch():
     """The schemas are read where torch is not needed (and the GPU image's core imports choices)."""
     code = ("import sys, importlib\n"
-            f"for s in {CONVERTED!r}: importlib.import_module('eagle3.schema.' + s)\n"
-            "import eagle3.choices\n"
+            f"for s in {CONVERTED!r}: importlib.import_module('eagle3.config.schema.' + s)\n"
+            "import eagle3.config.choices\n"
             "assert 'torch' not in sys.modules, 'a schema imports torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
 

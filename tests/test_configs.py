@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.conf import CONF_DIR, ConfigError, compose, stage_schema, to_schema
-from eagle3.schema.common import InitConf, PathsConf, TargetConf
+from eagle3.config.conf import CONF_DIR, ConfigError, compose, stage_schema, to_schema
+from eagle3.config.schema.common import InitConf, PathsConf, TargetConf
 
 STAGES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 # Stages with no target or init (the mini world, and the demo and study that pick them themselves).

@@ -1,8 +1,8 @@
-"""The go / no-go cost model (eagle3/cost_model.py) against the account's figures."""
+"""The go / no-go cost model (eagle3/replay/cost_model.py) against the account's figures."""
 import pytest
 
-from eagle3.cost_model import (ACCOUNT_8GPU_PCIE, Latencies, accept_length_from_acceptance, accept_length_iid,
-                               fit_verify_latency, measured_latencies, predict)
+from eagle3.replay.cost_model import (ACCOUNT_8GPU_PCIE, Latencies, accept_length_from_acceptance, accept_length_iid,
+                                      fit_verify_latency, measured_latencies, predict)
 
 
 def test_account_drafter_is_predicted_slower():
@@ -48,9 +48,9 @@ def test_fit_and_bad_input():
 
 
 def test_the_study_prices_with_the_named_assumed_split_and_reports_the_flat_cycle_beside():
-    from eagle3.conf import compose, to_schema
-    from eagle3.cost_model import FLAT_OF, PRESETS
-    from eagle3.schema.study import StudyConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.replay.cost_model import FLAT_OF, PRESETS
+    from eagle3.config.schema.study import StudyConfig
     from eval.stage import latencies_from_config
 
     lat = latencies_from_config(to_schema(compose("study", []), StudyConfig).cost)

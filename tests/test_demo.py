@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.conf import compose, to_schema
-from eagle3.schema.demo import DemoConfig
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.demo import DemoConfig
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_stale_training_checkpoints_are_dropped_once_and_other_errors_kept(tmp_p
     from types import SimpleNamespace
 
     from pipeline.demo import run_restarting_stale_training
-    from eagle3.checkpoints import CheckpointError
+    from eagle3.formats.checkpoints import CheckpointError
 
     out = tmp_path / "train-scratch"
     (out / "checkpoints" / "step-000040").mkdir(parents=True)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3 import aux_layers
-from eagle3.drafter_io import load_drafter_dir
-from eagle3.model import DrafterConfig
+from eagle3.engines import aux_layers
+from eagle3.drafter.drafter_io import load_drafter_dir
+from eagle3.drafter.model import DrafterConfig
 from tests.fixtures.drafter_corpus import CORPUS_DIR, check_config, corpus_config, corpus_names, drafter_dir
 from tests.fixtures.specforge_drafter import SF_CONFIG, tiny_weights
 from export.run_check import run_check

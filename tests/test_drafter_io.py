@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.drafter_io import (CompatibilityError, DrafterLoadError, assert_compatible, check_compatibility,
-                               check_drafter_dir, compatibility_mismatches, load_drafter_dir, save_drafter_dir)
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.drafter_io import (CompatibilityError, DrafterLoadError, assert_compatible, check_compatibility,
+                                       check_drafter_dir, compatibility_mismatches, load_drafter_dir, save_drafter_dir)
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 
 
 def tiny_cfg(**kw):
@@ -50,7 +50,7 @@ def test_round_trip_and_layout(tmp_path):
     torch.save({"optimizer": 1}, d / "training_state.pt")  # SpecForge ships this; must be ignored
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["torch_dtype"] == "bfloat16"
-    # h [2, 3, 4] is written as ids [1, 2, 3]: the form every SGLang version reads as h (eagle3/aux_layers.py)
+    # h [2, 3, 4] is written as ids [1, 2, 3]: the form every SGLang version reads as h (eagle3/engines/aux_layers.py)
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["eagle3_aux_hidden_states"]["hf_indices"] == [2, 3, 4]
     stored = tensors_of(d)

@@ -1,4 +1,4 @@
-"""Drafter config keys (eagle3/drafter_keys.py): a switch that changes the forward is refused by name, harmless
+"""Drafter config keys (eagle3/drafter/drafter_keys.py): a switch that changes the forward is refused by name, harmless
 keys are accepted, unknown keys are reported and never written back, and this project's exports mean the
 trained forward in every engine's reading of them.
 
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from eagle3 import drafter_keys as dk
-from eagle3 import export_spec as spec
-from eagle3.drafter_io import DrafterLoadError, load_drafter_dir
-from eagle3.model import DrafterConfig
+from eagle3.drafter import drafter_keys as dk
+from eagle3.formats import export_spec as spec
+from eagle3.drafter.drafter_io import DrafterLoadError, load_drafter_dir
+from eagle3.drafter.model import DrafterConfig
 from tests.fixtures.specforge_drafter import DV, SF_CONFIG, H, T, V, tiny_weights
 
 

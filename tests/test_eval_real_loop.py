@@ -4,10 +4,10 @@ lossless against the target's own greedy decode, and its accept length equal to 
 import pytest
 import torch
 
-from eagle3.accept_sim import SpecKnobs
+from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.real_loop.chain import eos_ids, greedy_decode, speculative_decode
 from eagle3.real_loop.check import real_vs_simulated
-from eagle3.target_io import load_target
+from eagle3.target_model.target_io import load_target
 from tests.fixtures.real_loop import fitted_drafter, new_drafter, prompts
 
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from eagle3.accept_sim import SpecKnobs, build_sglang_tree
-from eagle3.model import Eagle3Drafter
+from eagle3.replay.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
-from eagle3.store import HiddenStateStore, HiddenStateWriter
-from eagle3.ttt import KVCache
-from eagle3.unroll import ttt_unroll
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
+from eagle3.ttt.attention import KVCache
+from eagle3.ttt.unroll import ttt_unroll
 from tests.fixtures.unroll_batch import HT, H, V
 from tests.fixtures.unroll_batch import tiny_drafter as unroll_drafter
 

@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import ConfigError, compose, to_schema
-from eagle3.drafter_io import save_drafter_dir
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import ConfigError, compose, to_schema
+from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.real_loop.chain import greedy_decode
 from eagle3.real_loop.check import capture_sequence
 from eagle3.replay.evaluate import EvalInputError
-from eagle3.schema.eval import EvalConfig
-from eagle3.store import HiddenStateWriter
-from eagle3.target_io import load_target
+from eagle3.config.schema.eval import EvalConfig
+from eagle3.formats.store import HiddenStateWriter
+from eagle3.target_model.target_io import load_target
 from eval.stage import latencies_from_config, run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
@@ -93,7 +93,7 @@ def test_run_eval_bad_inputs(world, tiny_k25_target, tmp_path):
 
 
 def test_cost_falls_back_to_the_teacher_forced_estimate_without_cycles():
-    from eagle3.cost_model import ACCOUNT_8GPU_PCIE
+    from eagle3.replay.cost_model import ACCOUNT_8GPU_PCIE
     from eval.stage import best_setting, cost_section
 
     knobs = [SpecKnobs(2, 1, 3)]

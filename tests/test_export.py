@@ -6,11 +6,11 @@ import shutil
 import pytest
 import torch
 
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import load_drafter_dir
-from eagle3.schema.export import ExportConfig
-from eagle3.store import HiddenStateStore
-from eagle3.target_io import load_embed_tokens
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import load_drafter_dir
+from eagle3.config.schema.export import ExportConfig
+from eagle3.formats.store import HiddenStateStore
+from eagle3.target_model.target_io import load_embed_tokens
 from export.stage import ExportError, run_export
 from export.format_speculators import load_speculators_dir
 from export.roundtrip import drafter_logits, round_weights_, validation_batches
@@ -207,7 +207,7 @@ def test_tiny_drafter_helper_is_deterministic():
 
 
 def test_train_manifest_naming_another_capture_is_refused(world, tmp_path):
-    from eagle3.manifest import write_manifest
+    from eagle3.formats.manifest import write_manifest
 
     root = tmp_path / "root"
     shutil.copytree(world["root"], root, symlinks=True, ignore=NO_EXPORTS)
@@ -237,7 +237,7 @@ def test_truncated_checkpoint_weights_are_named(world, tmp_path):
 
 def test_bit_flipped_step_checkpoint_is_refused_by_its_checksums(world, tmp_path):
     """Exporting a training checkpoint (step-N, with checkpoint.json) verifies its sha256s first."""
-    from eagle3.manifest import atomic_write_json, sha256_file
+    from eagle3.formats.manifest import atomic_write_json, sha256_file
 
     step = tmp_path / "step-000010"
     shutil.copytree(world["checkpoint"], step)

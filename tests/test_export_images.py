@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from eagle3 import drafter_keys
-from eagle3.conf import compose, to_schema
-from eagle3.image_embeddings import CONFIG_KEY
-from eagle3.manifest import write_manifest
-from eagle3.schema.export import ExportConfig
+from eagle3.drafter import drafter_keys
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.image_embeddings import CONFIG_KEY
+from eagle3.formats.manifest import write_manifest
+from eagle3.config.schema.export import ExportConfig
 from export.stage import ExportError, run_export
 from tests.fixtures.export_world import build_world
 
@@ -56,7 +56,7 @@ def test_the_checkpoints_record_is_carried_and_the_other_engine_warned(world, tm
     assert sg[CONFIG_KEY] == "fused"
     assert drafter_keys.check_config(sg, "sglang").unknown == []  # a known key, read by no engine
     spec = json.loads((out / "speculators" / "config.json").read_text())
-    assert spec[CONFIG_KEY] == "fused"  # speculators' pydantic config keeps extra keys (eagle3/drafter_keys.py)
+    assert spec[CONFIG_KEY] == "fused"  # speculators' pydantic config keeps extra keys (eagle3/drafter/drafter_keys.py)
     assert drafter_keys.check_config(spec, "speculators").unknown == []
     text = (out / "SERVE.md").read_text()
     assert "trained with image_embeddings=**fused**" in text

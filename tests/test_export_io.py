@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import export_spec as spec
-from eagle3.dtypes import torch_dtype
+from eagle3.formats import export_spec as spec
+from eagle3.config.dtypes import torch_dtype
 from export.directory import export_tensors, validate_format_dir, write_format_dir
 from export.formats import FORMATS
 from export.format_speculators import load_speculators_dir
@@ -149,9 +149,9 @@ def test_speculators_loader_maps_back_exactly_and_strictly(tmp_path):
 
 
 def test_the_format_table_is_the_config_choice_list():
-    """export.format's choices (eagle3/choices.py, read by the schema) and the table the stage reads agree:
+    """export.format's choices (eagle3/config/choices.py, read by the schema) and the table the stage reads agree:
     a format added to one and not the other fails here."""
-    from eagle3.choices import EXPORT_FORMATS
+    from eagle3.config.choices import EXPORT_FORMATS
     from export.formats import formats_of
 
     assert tuple(FORMATS) == EXPORT_FORMATS

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3.schema.export import ServeConf
-from eagle3.serve_launch import ServeChoice, shell, sglang_command, tensor_parallel, vllm_command
+from eagle3.config.schema.export import ServeConf
+from eagle3.engines.serve_launch import ServeChoice, shell, sglang_command, tensor_parallel, vllm_command
 from export.serving import choice_from_report, read_serve_choice, serve_markdown
 
 K25 = SimpleNamespace(name="kimi_k25", path="/models/Kimi-K2.5", layout="kimi_k25", trust_remote_code=True)
@@ -101,6 +101,6 @@ def test_serve_markdown_warns_when_predicted_slower():
 
 
 def test_serve_conf_rejects_impossible_chain():
-    from eagle3.conf import ConfigError
+    from eagle3.config.conf import ConfigError
     with pytest.raises(ConfigError, match=r"export.serve: .*num_draft_tokens must be in \[2, 3\]"):
         ServeConf(num_steps=2, topk=1, num_draft_tokens=5).validate()

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from eagle3 import export_spec as spec
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
+from eagle3.formats import export_spec as spec
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 
 TINY = dict(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=50, draft_vocab_size=12, target_hidden_size=24, aux_hf_indices=[2, 3, 5],

@@ -1,8 +1,8 @@
 """The export tests' world (tests/fixtures/export_world.py) is consistent."""
 import json
 
-from eagle3.store import HiddenStateStore
-from eagle3.target_io import read_text_config
+from eagle3.formats.store import HiddenStateStore
+from eagle3.target_model.target_io import read_text_config
 from tests.fixtures.export_world import AUX_IDS, HF_INDICES, build_world
 
 

@@ -1,12 +1,12 @@
 """The fast TTT training path against independent references, CPU only, eager only (no
 torch.compile: Inductor takes minutes on CPU).
 
-- eagle3/ttt_flash.py (flash causal block + log-sum-exp diagonal merge) vs the explicit TTTCache,
+- eagle3/ttt/ttt_flash.py (flash causal block + log-sum-exp diagonal merge) vs the explicit TTTCache,
   outputs and gradients in float64;
-- eagle3/fused_ce.py (chunked linear + soft CE) vs logits @ soft_cross_entropy_rows and a float64
+- eagle3/ttt/fused_ce.py (chunked linear + soft CE) vs logits @ soft_cross_entropy_rows and a float64
   log_softmax written here;
-- eagle3/fast_kernels.py eager pieces vs RMSNorm / a hand-built softmax over [block 0 | diagonal];
-- eagle3/fast_unroll.py vs eagle3/unroll.ttt_unroll: loss, per-step counts and every gradient;
+- eagle3/ttt/fast_kernels.py eager pieces vs RMSNorm / a hand-built softmax over [block 0 | diagonal];
+- eagle3/ttt/fast_unroll.py vs eagle3/unroll.ttt_unroll: loss, per-step counts and every gradient;
 - eagle3/loss.teacher_logits leaves the TF32 switch as it found it.
 """
 import math
@@ -15,19 +15,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3 import attention_check, ttt_flash
-from eagle3 import loss as loss_module
-from eagle3.fast_kernels import diagonal_merge_backward, diagonal_merge_forward, rms_norm
-from eagle3.fast_unroll import ttt_unroll_fast
-from eagle3.fused_ce import linear_soft_cross_entropy
-from eagle3.loss import soft_cross_entropy_rows, teacher_logits
-from eagle3.model import RMSNorm
-from eagle3.ttt import TTTCache
-from eagle3.schema.train import ATTENTION_KERNELS as SCHEMA_ATTENTION_KERNELS
-from eagle3.ttt_flash import (ATTENTION_KERNELS, DiagonalKeys, causal_attention, causal_plus_diagonal_attention,
-                              choose_attention_kernel)
-from eagle3.unroll import TTTObjective, step_position_counts, ttt_unroll
-from eagle3.vocab_map import ids_from_d2t
+from eagle3.ttt import attention_check
+from eagle3.ttt import ttt_flash
+from eagle3.ttt import loss as loss_module
+from eagle3.ttt.fast_kernels import diagonal_merge_backward, diagonal_merge_forward, rms_norm
+from eagle3.ttt.fast_unroll import ttt_unroll_fast
+from eagle3.ttt.fused_ce import linear_soft_cross_entropy
+from eagle3.ttt.loss import soft_cross_entropy_rows, teacher_logits
+from eagle3.drafter.model import RMSNorm
+from eagle3.ttt.attention import TTTCache
+from eagle3.config.schema.train import ATTENTION_KERNELS as SCHEMA_ATTENTION_KERNELS
+from eagle3.ttt.ttt_flash import (ATTENTION_KERNELS, DiagonalKeys, causal_attention, causal_plus_diagonal_attention,
+                                  choose_attention_kernel)
+from eagle3.ttt.unroll import TTTObjective, step_position_counts, ttt_unroll
+from eagle3.drafter.vocab_map import ids_from_d2t
 from tests.fixtures.unroll_batch import DV, H, tiny_batch, tiny_drafter
 
 F64 = torch.float64
@@ -69,7 +70,7 @@ def fast_ttt_attention(qkvs, scale):
 
 
 def explicit_ttt_attention(qkvs):
-    """The same steps through eagle3.ttt.TTTCache(impl="explicit"), which takes [B,h,T,d]."""
+    """The same steps through eagle3.ttt.attention.TTTCache(impl="explicit"), which takes [B,h,T,d]."""
     cache = TTTCache(impl="explicit")
     return [cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
             for q, k, v in qkvs]
@@ -112,7 +113,7 @@ def loss_and_grads(unroll, args, K, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/ttt_flash.py
+# eagle3/ttt/ttt_flash.py
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_major", "packed"])
@@ -222,7 +223,7 @@ def test_diagonal_keys_reject_a_step_past_max_steps():
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/fused_ce.py
+# eagle3/ttt/fused_ce.py
 
 
 def ce_case(N, Hx=6, V=11, M=5, seed=0, dtype=F64):
@@ -318,7 +319,7 @@ def test_linear_soft_ce_rejects_bad_shapes_and_dtypes(bad):
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/fast_kernels.py (eager)
+# eagle3/ttt/fast_kernels.py (eager)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [
@@ -386,7 +387,7 @@ def test_diagonal_merge_backward_matches_autograd_of_the_direct_softmax():
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/fast_unroll.py
+# eagle3/ttt/fast_unroll.py
 
 
 def unroll_case(T=24, seed=1):
@@ -444,7 +445,7 @@ def test_fast_unroll_with_trainable_embeddings_matches_reference():
 def test_norm_weight_grads_matches_autograd():
     """fast_kernels.norm_weight_grads: from dy^T normalise(x), the gradients of w and of the norm weight
     of y = rms_norm(x, weight) @ w^T, as autograd gives them (x without a gradient)."""
-    from eagle3.fast_kernels import norm_weight_grads
+    from eagle3.ttt.fast_kernels import norm_weight_grads
 
     g = torch.Generator().manual_seed(3)
     x, dy = randn(9, 6, g=g), randn(9, 5, g=g)
@@ -504,7 +505,7 @@ def test_compiled_pieces_mark_exactly_the_sizes_that_vary(monkeypatch):
     """fast_kernels.VARYING_DIMS: across two batches of different lengths and the 7 steps, every
     (argument, dim) it marks takes more than one size, and every other dim of every tensor
     argument keeps one size (H, heads, head_dim, V, B ... stay compile-time constants)."""
-    from eagle3 import fast_kernels
+    from eagle3.ttt import fast_kernels
 
     seen = {name: [] for name in fast_kernels._FUNCTIONS}
 
@@ -575,7 +576,7 @@ def test_objective_auto_is_reference_on_cpu_and_unknown_impls_raise():
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/loss.py
+# eagle3/ttt/loss.py
 
 
 @pytest.mark.parametrize("before", [True, False])
@@ -612,7 +613,7 @@ def test_tf32_context_restores_the_switch_even_on_an_error(before):
 
 
 # --------------------------------------------------------------------------------------------
-# eagle3/attention_check.py
+# eagle3/ttt/attention_check.py
 
 
 def test_kernel_disagreement_of_a_kernel_with_itself_is_zero():

@@ -8,16 +8,16 @@ import shutil
 import pytest
 import torch
 
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import save_drafter_dir
-from eagle3.image_embeddings import CONFIG_KEY, rows_problem
-from eagle3.manifest import write_manifest
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import save_drafter_dir
+from eagle3.drafter.image_embeddings import CONFIG_KEY, rows_problem
+from eagle3.formats.manifest import write_manifest
 from eagle3.real_loop.check import capture_sequence
 from eagle3.replay.evaluate import EvalInputError
-from eagle3.schema.eval import EvalConfig
-from eagle3.schema.train import TrainConfig
-from eagle3.store import HiddenStateStore, HiddenStateWriter
-from eagle3.target_io import load_target
+from eagle3.config.schema.eval import EvalConfig
+from eagle3.config.schema.train import TrainConfig
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
+from eagle3.target_model.target_io import load_target
 from eval.stage import prompts_from_store, run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN

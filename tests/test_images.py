@@ -1,13 +1,14 @@
-"""K2.5's image rule (eagle3/images.py) on hand-checked sizes, its pixels and patches, the image sources,
-and the media tokens (eagle3/media_tokens.py); against transformers' kimi_k25 image processor where it
+"""K2.5's image rule (eagle3/target_model/images.py) on hand-checked sizes, its pixels and patches, the image sources,
+and the media tokens (eagle3/target_model/media_tokens.py); against transformers' kimi_k25 image processor where it
 imports (it needs torchvision)."""
 import io
 
 import numpy as np
 import pytest
 
-from eagle3 import images, media_tokens
-from eagle3.images import ImageError, ImageRule, grid_thw, media_pad_count, resized_and_padded
+from eagle3.target_model import images
+from eagle3.target_model import media_tokens
+from eagle3.target_model.images import ImageError, ImageRule, grid_thw, media_pad_count, resized_and_padded
 
 
 def png_bytes(w, h, color=(200, 30, 60), mode="RGB"):
@@ -182,7 +183,7 @@ def test_matches_transformers_kimi_k25_image_processor():
 
 def test_size_rule_equals_transformers_navit_resize_source():
     """transformers' `navit_resize` (its module imports torchvision, so the function alone is taken from the
-    source with ast and run) gives the same sizes as eagle3/images.py on many random sizes."""
+    source with ast and run) gives the same sizes as eagle3/target_model/images.py on many random sizes."""
     import ast
     import math
     from importlib.util import find_spec

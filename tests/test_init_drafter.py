@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import target_io
-from eagle3.drafter_io import CompatibilityError, save_drafter_dir
-from eagle3.init_drafter import build_training_drafter, scratch_config
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.ttt import TTTCache
-from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
+from eagle3.target_model import target_io
+from eagle3.drafter.drafter_io import CompatibilityError, save_drafter_dir
+from eagle3.drafter.initial import build_training_drafter, scratch_config
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.ttt.attention import TTTCache
+from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 
 TEXT = dict(vocab_size=80, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=6,
             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,

@@ -26,10 +26,10 @@ STAGE_FOLDERS = ("data", "train", "eval", "export")
 PIPELINE = "pipeline"  # the one folder that runs several stages
 PROJECT_FOLDERS = ("eagle3",) + STAGE_FOLDERS + (PIPELINE, "benchmarks", "tests")
 # eagle3 modules that import without torch today (light tools and the GPU image read them); the
-# schemas (every eagle3/schema/*.py) are added below.
-TORCH_FREE = ("eagle3", "eagle3.aux_layers", "eagle3.choices", "eagle3.conf", "eagle3.cost_model",
-              "eagle3.cpu_threads", "eagle3.drafter_keys", "eagle3.errors", "eagle3.hooks", "eagle3.manifest",
-              "eagle3.serve_launch", "eagle3.replay", "eagle3.real_loop", "eagle3.images", "eagle3.media_tokens")
+# schemas (every eagle3/config/schema/*.py) are added below.
+TORCH_FREE = ("eagle3", "eagle3.engines.aux_layers", "eagle3.config.choices", "eagle3.config.conf", "eagle3.replay.cost_model",
+              "eagle3.cpu_threads", "eagle3.drafter.drafter_keys", "eagle3.errors", "eagle3.hooks", "eagle3.formats.manifest",
+              "eagle3.engines.serve_launch", "eagle3.replay", "eagle3.real_loop", "eagle3.target_model.images", "eagle3.target_model.media_tokens")
 
 
 def module_name(path: Path) -> str:
@@ -208,12 +208,12 @@ def test_the_cycle_check_finds_a_cycle(monkeypatch):
     real = imports_of
 
     def planted(module):
-        extra = (("eagle3.errors", 1),) if module == "eagle3.choices" else ()
-        extra += (("eagle3.choices", 1),) if module == "eagle3.errors" else ()
+        extra = (("eagle3.errors", 1),) if module == "eagle3.config.choices" else ()
+        extra += (("eagle3.config.choices", 1),) if module == "eagle3.errors" else ()
         return real(module) + extra
 
     monkeypatch.setattr(sys.modules[__name__], "imports_of", planted)
-    assert ["eagle3.choices", "eagle3.errors"] in import_cycles()
+    assert ["eagle3.config.choices", "eagle3.errors"] in import_cycles()
 
 
 def test_tests_take_helpers_from_fixtures_not_from_test_modules():
@@ -224,7 +224,7 @@ def test_tests_take_helpers_from_fixtures_not_from_test_modules():
 
 
 def test_schemas_and_pure_core_modules_import_without_torch():
-    schemas = sorted(m for m in project_modules() if m.startswith("eagle3.schema."))
+    schemas = sorted(m for m in project_modules() if m.startswith("eagle3.config.schema."))
     code = ("import importlib, sys\n"
             "sys.modules['torch'] = None  # any import of torch fails\n"
             f"for m in {list(TORCH_FREE) + schemas!r}: importlib.import_module(m)\n")
@@ -237,5 +237,5 @@ def test_architecture_names_every_module():
     text = (REPO_ROOT / "ARCHITECTURE.md").read_text()
     unnamed = [str(p.relative_to(REPO_ROOT)) for m, p in project_modules().items()
                if folder(m) in ("eagle3", PIPELINE) + STAGE_FOLDERS and p.name != "__init__.py"
-               and p.name not in text and not m.startswith("eagle3.schema.")]
+               and p.name not in text and not m.startswith("eagle3.config.schema.")]
     assert not unnamed, "add a line for each to ARCHITECTURE.md:\n" + "\n".join(unnamed)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.conf import ConfigError, compose, to_schema
-from eagle3.schema.learning_ab import REFERENCE_PATH, LearningABConfig
+from eagle3.config.conf import ConfigError, compose, to_schema
+from eagle3.config.schema.learning_ab import REFERENCE_PATH, LearningABConfig
 
 
 def test_config_defaults_and_refusals():

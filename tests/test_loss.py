@@ -1,12 +1,12 @@
-"""The objective's pure pieces on tiny hand-checked cases (eagle3/loss.py)."""
+"""The objective's pure pieces on tiny hand-checked cases (eagle3/ttt/loss.py)."""
 import math
 
 import pytest
 import torch
 
-from eagle3.loss import (all_loss_positions, draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
-                         teacher_logits)
-from eagle3.vocab_map import ids_from_d2t
+from eagle3.ttt.loss import (all_loss_positions, draft_accuracy, loss_positions, shift_left, soft_cross_entropy, step_weights,
+                             teacher_logits)
+from eagle3.drafter.vocab_map import ids_from_d2t
 
 
 def test_teacher_logits_are_the_draft_vocab_columns_of_the_full_head():

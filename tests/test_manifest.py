@@ -1,11 +1,11 @@
-"""eagle3/manifest.py: the one JSON reader and the stage skeleton's reuse check (stale_keys)."""
+"""eagle3/formats/manifest.py: the one JSON reader and the stage skeleton's reuse check (stale_keys)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from eagle3.manifest import ManifestError, read_json, stale_keys, write_manifest
+from eagle3.formats.manifest import ManifestError, read_json, stale_keys, write_manifest
 
 
 def test_read_json_names_the_file_and_the_cause(tmp_path):

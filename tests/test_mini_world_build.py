@@ -7,9 +7,9 @@ import torch
 
 from data.corpus import iter_raw_records
 from data.mini_world.build import run_mini_world
-from eagle3.conf import compose, to_schema
-from eagle3.manifest import read_manifest
-from eagle3.schema.mini_world import MiniWorldConfig
+from eagle3.config.conf import compose, to_schema
+from eagle3.formats.manifest import read_manifest
+from eagle3.config.schema.mini_world import MiniWorldConfig
 
 TINY = [
     "split.max_records=400", "split.eval_conversations=8", "split.corpus_conversations_k2=12",
@@ -152,11 +152,11 @@ def test_seeing_k25_mini_is_captured_as_its_hf_multimodal_forward(tiny_world):
 
     from data.capture import Dist, run_capture
     from data.prepare import run_prepare
-    from eagle3 import target_io
-    from eagle3.schema.capture import CaptureConfig
-    from eagle3.schema.prepare import PrepareConfig
-    from eagle3.store import HiddenStateStore
-    from eagle3.target_images import pixel_inputs
+    from eagle3.target_model import target_io
+    from eagle3.config.schema.capture import CaptureConfig
+    from eagle3.config.schema.prepare import PrepareConfig
+    from eagle3.formats.store import HiddenStateStore
+    from eagle3.target_model.target_images import pixel_inputs
 
     cfg, out = tiny_world
     root = out.parent

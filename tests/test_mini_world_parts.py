@@ -8,8 +8,8 @@ import torch
 from data.corpus import RawRecord
 from data.mini_world.lm import lr_at, pack_blocks, perplexity, resolve_device, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, classify, conversation_of, split_conversations
-from eagle3.conf import ConfigError, compose, to_schema
-from eagle3.schema.mini_world import MiniWorldConfig
+from eagle3.config.conf import ConfigError, compose, to_schema
+from eagle3.config.schema.mini_world import MiniWorldConfig
 
 
 def rec(i, turns, rid=None):

@@ -1,9 +1,9 @@
-"""Prompt-lookup drafting (eagle3/ngram.py) and its replay next to the drafter."""
+"""Prompt-lookup drafting (eagle3/replay/ngram.py) and its replay next to the drafter."""
 import pytest
 import torch
 
-from eagle3.accept_sim import replay_sequence
-from eagle3.ngram import ngram_propose, ngram_tree
+from eagle3.replay.accept_sim import replay_sequence
+from eagle3.replay.ngram import ngram_propose, ngram_tree
 
 
 def t(*xs):
@@ -49,7 +49,7 @@ def test_ngram_replay_on_a_repeating_sequence():
 
 @pytest.mark.parametrize("prefer", ["recent", "first"])
 def test_incremental_lookup_equals_the_scan(prefer):
-    from eagle3.ngram import PromptLookup
+    from eagle3.replay.ngram import PromptLookup
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 4, (80,), generator=g)  # a small alphabet: many repeats of every length

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from data.corpus import CorpusFormatError
 from data.prepare import (SKIP_REASONS, Conversation, PrepareError, Skip, TemplateEncoder, conversation_from_record,
                           is_validation, run_prepare)
-from eagle3.manifest import read_manifest
+from eagle3.formats.manifest import read_manifest
 from tests.fixtures.prepare import GOOD, conv, prepare_config, write_jsonl
 
 

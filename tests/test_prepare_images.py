@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from data.prepare import SKIP_REASONS, run_prepare
-from eagle3 import images as img_rule
-from eagle3.manifest import read_manifest
+from eagle3.target_model import images as img_rule
+from eagle3.formats.manifest import read_manifest
 from tests.fixtures.images import media_tokenizer, png_bytes, seeing_k25_target  # noqa: F401 (fixtures)
 from tests.fixtures.prepare import GOOD, prepare_config, write_jsonl
 

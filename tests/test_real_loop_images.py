@@ -1,21 +1,21 @@
 """The real loop and the eval stage with image prompts (issue 34): the target's prefill reads the fused rows
 (its multimodal forward), the drafter's prefill reads what the image_embeddings convention feeds
-(eagle3/image_embeddings.py: fused rows or embed(<|media_pad|>)), shifted by one like the ids; the loop stays
+(eagle3/drafter/image_embeddings.py: fused rows or embed(<|media_pad|>)), shifted by one like the ids; the loop stays
 lossless; the eval stage resolves `image_embeddings: auto` to SGLang's convention and passes it on."""
 import json
 
 import pytest
 import torch
 
-from eagle3.accept_sim import SpecKnobs
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import save_drafter_dir
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.real_loop.chain import PromptImages, greedy_decode, speculative_decode
 from eagle3.real_loop.check import capture_sequence
 from eagle3.real_loop.tree import tree_speculative_decode
-from eagle3.schema.eval import EvalConfig
-from eagle3.store import HiddenStateWriter
-from eagle3.target_io import load_target, text_model
+from eagle3.config.schema.eval import EvalConfig
+from eagle3.formats.store import HiddenStateWriter
+from eagle3.target_model.target_io import load_target, text_model
 from eval.stage import prompt_images_from_store, run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
@@ -118,7 +118,7 @@ def image_world(tiny_k25_target, target, tmp_path_factory):
 
 def test_eval_stage_resolves_auto_and_runs_the_real_loop_on_image_prompts(image_world, tiny_k25_target, capsys):
     root, drafter_dir, rows = image_world
-    from eagle3.store import HiddenStateStore
+    from eagle3.formats.store import HiddenStateStore
 
     store = HiddenStateStore(root / "capture" / "validation")
     imgs = prompt_images_from_store(store, 2, "fused")
@@ -156,14 +156,14 @@ def test_eval_stage_resolves_auto_and_runs_the_real_loop_on_image_prompts(image_
 
 
 def test_a_bad_choice_is_the_schemas_error(tmp_path):
-    from eagle3.conf import ConfigError
+    from eagle3.config.conf import ConfigError
 
     with pytest.raises(ConfigError, match="image_embeddings"):
         to_schema(compose("eval", [f"paths.root={tmp_path}", "image_embeddings=clamped"]), EvalConfig)
 
 
 def test_auto_is_the_export_engines_convention():
-    from eagle3 import image_embeddings as ie
+    from eagle3.drafter import image_embeddings as ie
 
     assert ie.resolve("auto") == "fused" and ie.resolve("auto", "vllm") == "placeholder"
     assert ie.resolve("placeholder") == "placeholder"

@@ -12,8 +12,8 @@ from data.openai_server import FaultPlan
 from data.prepare import Conversation, SkipCounter, run_prepare
 from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch,
                              split_reasoning)
-from eagle3.manifest import read_manifest
-from eagle3.target_io import load_target
+from eagle3.formats.manifest import read_manifest
+from eagle3.target_model.target_io import load_target
 from tests.fixtures.prepare import conv
 from tests.fixtures.regenerate import served  # noqa: F401 (fixture)
 from tests.fixtures.regenerate import CONVS, MAX_NEW, N_TURNS, regen_config, reset_server, write_corpus

@@ -1,4 +1,4 @@
-"""`target=kimi_k25` on the Kimi-K2.5 release's own INT4 format (eagle3/release_format.py): a tiny
+"""`target=kimi_k25` on the Kimi-K2.5 release's own INT4 format (eagle3/formats/release_format.py): a tiny
 checkpoint written with compressed-tensors' own quantiser and packer, captured through the real
 capture stage, equals the same weights dequantised into a plain DeepSeek-V3 checkpoint (aux, post-norm
 last state, argmax); and the checkpoints transformers would load wrongly without a word are refused."""
@@ -14,10 +14,11 @@ from safetensors.torch import save_file
 from data.capture import run_capture, Dist
 from data.mini_world.checkpoints import WEIGHTS
 from data.mini_world.release_checkpoint import save_kimi_k25_release
-from eagle3 import release_format, target_io
-from eagle3.conf import compose, to_schema
-from eagle3.schema.capture import CaptureConfig
-from eagle3.store import HiddenStateStore
+from eagle3.formats import release_format
+from eagle3.target_model import target_io
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.capture import CaptureConfig
+from eagle3.formats.store import HiddenStateStore
 from numeric_checks import assert_argmax_up_to_ties
 
 
@@ -108,7 +109,7 @@ def capture_cfg(tmp_path, target, layout, prepared, out):
 def test_capture_from_release_equals_dequantised_plain_model(tmp_path, release, dequantized, tiny_tokenizer,
                                                              tiny_corpus_jsonl):
     from data.prepare import run_prepare
-    from eagle3.schema.prepare import PrepareConfig
+    from eagle3.config.schema.prepare import PrepareConfig
 
     for f in tiny_tokenizer.iterdir():  # the plain checkpoint gets the same tokenizer files
         shutil.copy2(f, dequantized / f.name)

@@ -3,9 +3,9 @@ naive "overwrite d2t only" fix fails the same check; the new-row rules."""
 import pytest
 import torch
 
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.remap import remap_lm_head, shared_token_positions
-from eagle3.vocab_map import d2t_from_ids, t2d_from_ids
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.remap import remap_lm_head, shared_token_positions
+from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 
 V, H, N = 300, 16, 40
 

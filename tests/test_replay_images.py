@@ -1,4 +1,4 @@
-"""The replay feeds the drafter the image_embeddings convention's inputs at image rows (eagle3/image_embeddings.py):
+"""The replay feeds the drafter the image_embeddings convention's inputs at image rows (eagle3/drafter/image_embeddings.py):
 under `fused` the store's fused rows (the projector output), under `placeholder` embed(placeholder id); text rows
 are embed(id) under both. Checked on what the drafter's layer actually receives, in every replay path."""
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from eagle3 import image_embeddings
-from eagle3.accept_sim import SpecKnobs
+from eagle3.drafter import image_embeddings
+from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
-from eagle3.store import HiddenStateStore, HiddenStateWriter
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
 from tests.fixtures.unroll_batch import HT, H, V
 from tests.fixtures.unroll_batch import tiny_drafter
 

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.regenerate import ROUND_TRIP, HFGenerator
 from data.round_trip import last_segment, round_trip_len, round_trip_stop, survives_round_trip
-from eagle3.target_io import load_target
+from eagle3.target_model.target_io import load_target
 
 A, B, AB, NL, NL2, E1, E2, END = 0, 1, 2, 3, 4, 5, 6, 7  # E1 E2: the two bytes of "é"
 

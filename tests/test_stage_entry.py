@@ -73,8 +73,8 @@ def test_debug_switch_shows_the_traceback(tmp_path):
 
 def test_stage_errors_catches_only_stage_errors_and_keeps_their_old_bases(monkeypatch):
     from data.prepare import PrepareError
-    from eagle3.conf import ConfigError
-    from eagle3.store import StoreError, StoreMismatchError
+    from eagle3.config.conf import ConfigError
+    from eagle3.formats.store import StoreError, StoreMismatchError
 
     monkeypatch.delenv("EAGLE3_DEBUG", raising=False)
     assert issubclass(ConfigError, ValueError) and issubclass(StoreError, RuntimeError)
@@ -90,7 +90,7 @@ def test_stage_errors_catches_only_stage_errors_and_keeps_their_old_bases(monkey
 
 
 def test_a_bad_override_in_compose_is_a_config_error():
-    from eagle3.conf import ConfigError, compose
+    from eagle3.config.conf import ConfigError, compose
 
     with pytest.raises(ConfigError, match=r"cannot compose conf/train.yaml .*bogus"):
         compose("train", ["bogus=1"])

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagle3.fast_unroll import ttt_unroll_fast
-from eagle3.loss import all_loss_positions
+from eagle3.ttt.fast_unroll import ttt_unroll_fast
+from eagle3.ttt.loss import all_loss_positions
 from tests.fixtures.benchmarks import load_benchmark as load
 
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from eagle3.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenStateError, StoreError,
-                          StoreMismatchError, merge_stores)
+from eagle3.formats.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenStateError, StoreError,
+                                  StoreMismatchError, merge_stores)
 
 H = 4
 HF = [2, 30, 58]  # Kimi's aux hidden states h

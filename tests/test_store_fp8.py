@@ -1,4 +1,4 @@
-"""fp8 aux states in the hidden-state store: the pure per-row quantiser (eagle3/fp8.py) and the
+"""fp8 aux states in the hidden-state store: the pure per-row quantiser (eagle3/formats/fp8.py) and the
 store option aux_dtype="float8_e4m3fn" (round trip within e4m3's precision, `last` exact, zero rows,
 NaN/inf refused, resume with another format refused, about half the aux bytes on disk)."""
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from eagle3.fp8 import FP8_DTYPE, FP8_MAX, dequantise_rows, quantise_rows
-from eagle3.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenStateError, StoreError,
-                          StoreMismatchError, merge_stores)
+from eagle3.formats.fp8 import FP8_DTYPE, FP8_MAX, dequantise_rows, quantise_rows
+from eagle3.formats.store import (HiddenStateStore, HiddenStateWriter, NonFiniteHiddenStateError, StoreError,
+                                  StoreMismatchError, merge_stores)
 
 H = 64
 HF = [2, 30, 58]  # Kimi's aux hidden states h
@@ -235,8 +235,8 @@ def test_cuda_states_are_quantised_on_the_device(tmp_path, background):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
     from data.prepare import run_prepare
-    from eagle3.conf import compose, to_schema
-    from eagle3.schema.prepare import PrepareConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.prepare import PrepareConfig
 
     root = tmp_path_factory.mktemp("fp8_prep")
     corpus = root / "short.jsonl"
@@ -253,8 +253,8 @@ def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
 
 def capture(tmp_path, target, prepared, out, *overrides):
     from data.capture import Dist, run_capture
-    from eagle3.conf import compose, to_schema
-    from eagle3.schema.capture import CaptureConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.capture import CaptureConfig
 
     cfg = compose("capture", [f"paths.root={tmp_path}", f"target.path={target}", f"target.tokenizer={target}",
                               f"in_dir={prepared}", f"out_dir={tmp_path / out}", "progress=false",
@@ -280,8 +280,8 @@ def test_capture_stage_writes_fp8_aux(tmp_path, tiny_k25_target, prepared):
 
 
 def test_capture_config_rejects_other_aux_dtypes():
-    from eagle3.conf import ConfigError, compose, to_schema
-    from eagle3.schema.capture import CaptureConfig
+    from eagle3.config.conf import ConfigError, compose, to_schema
+    from eagle3.config.schema.capture import CaptureConfig
 
     assert to_schema(compose("capture", []), CaptureConfig).aux_dtype is None
     with pytest.raises(ConfigError, match="aux_dtype='float16'"):

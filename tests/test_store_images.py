@@ -1,4 +1,4 @@
-"""An image store's rows (eagle3/store.py): fused rows in fp8 with their scales when the store is fp8 (read back
+"""An image store's rows (eagle3/formats/store.py): fused rows in fp8 with their scales when the store is fp8 (read back
 in the store dtype within e4m3's precision), and a store with image_rows="none" (a vLLM capture) that keeps no
 fused rows, refuses them, and cannot be resumed or merged with a store that keeps them; an fp8 HF image capture
 keeps its fused rows within e4m3's precision of the fp32 capture's."""
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from eagle3.store import HiddenStateStore, HiddenStateWriter, StoreError, StoreMismatchError
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter, StoreError, StoreMismatchError
 from tests.fixtures.images import media_tokenizer, seeing_k25_target  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_images import image_capture_config, image_hf_store, image_prepared  # noqa: F401
 

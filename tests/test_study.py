@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.conf import ConfigError, compose, to_schema
-from eagle3.schema.study import StudyConfig
+from eagle3.config.conf import ConfigError, compose, to_schema
+from eagle3.config.schema.study import StudyConfig
 
 
 def test_knob_grid_and_budgets():
-    from eagle3.knob_grid import knob_grid
+    from eagle3.replay.knob_grid import knob_grid
     from pipeline.study import checkpoint_every
 
     cfg = to_schema(compose("study", ["demo_size=ci"]), StudyConfig)
@@ -35,7 +35,7 @@ def test_config_refuses_what_cannot_give_a_spread():
 
 
 def test_train_overrides_group_by_init_and_keep_every_budget(tmp_path):
-    from eagle3.schema.train import TrainConfig
+    from eagle3.config.schema.train import TrainConfig
     from pipeline.study import train_overrides
 
     cfg = to_schema(compose("study", ["demo_size=ci", f"paths.root={tmp_path}"]), StudyConfig)
@@ -51,7 +51,7 @@ def test_scratch_init_depends_on_the_seed(tiny_k25_target):
     """The seed sets every random initialisation: two seeds give two scratch drafters, one seed the same."""
     import torch
 
-    from eagle3.init_drafter import build_training_drafter
+    from eagle3.drafter.initial import build_training_drafter
 
     ids = torch.arange(8, 40)
     a, _ = build_training_drafter("scratch", None, tiny_k25_target, "kimi_k25", ids, seed=0)
@@ -64,10 +64,10 @@ def test_scratch_init_depends_on_the_seed(tiny_k25_target):
 
 def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_target):
     """ngram=None (the study's curve points) leaves the drafter's numbers as they are and n-gram out."""
-    from eagle3.accept_sim import SpecKnobs
-    from eagle3.drafter_io import load_drafter_dir
-    from eagle3.store import HiddenStateStore
-    from eagle3.target_io import load_embed_tokens
+    from eagle3.replay.accept_sim import SpecKnobs
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.formats.store import HiddenStateStore
+    from eagle3.target_model.target_io import load_embed_tokens
     from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
     from tests.fixtures.train_world import write_world
 

@@ -1,4 +1,4 @@
-"""eagle3.target_io: text config, single tensors from the checkpoint, and the
+"""eagle3.target_model.target_io: text config, single tensors from the checkpoint, and the
 aux-state hooks on both layouts (Kimi-K2.5 wrapper and a plain DeepSeek-V3 causal LM)."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import target_io
-from eagle3.target_io import (AuxHiddenCapture, TargetError, argmax_from_last, decoder_layers, final_norm,
-                              load_checkpoint_tensor, load_embed_tokens, load_lm_head_rows, load_target,
-                              read_text_config, text_model)
+from eagle3.target_model import target_io
+from eagle3.target_model.target_io import (AuxHiddenCapture, TargetError, argmax_from_last, decoder_layers, final_norm,
+                                           load_checkpoint_tensor, load_embed_tokens, load_lm_head_rows, load_target,
+                                           read_text_config, text_model)
 
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN as H, TINY_TARGET_LAYERS as L, TINY_VOCAB as V
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eagle3 import REPO_ROOT
-from eagle3.conf import compose, to_schema
-from eagle3.drafter_io import load_drafter_dir
-from eagle3.schema.train import TrainConfig
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.drafter_io import load_drafter_dir
+from eagle3.config.schema.train import TrainConfig
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401 (fixture)
 from train.loop import run_train
 
@@ -75,7 +75,7 @@ def test_aqmedai_init_remaps_and_trains_and_a_rerun_is_reused_or_extended(world,
 
 
 def test_changed_settings_refuse_to_resume_a_foreign_checkpoint(world, tmp_path):
-    from eagle3.checkpoints import CheckpointError
+    from eagle3.formats.checkpoints import CheckpointError
 
     out = tmp_path / "x"
     run_train(config_for(world, out, "scratch", max_steps=4, epochs="null"))
@@ -95,7 +95,7 @@ def test_cli_prints_the_composed_config():
 
 
 def test_schema_rejects_bad_settings(world, tmp_path):
-    from eagle3.conf import ConfigError
+    from eagle3.config.conf import ConfigError
 
     with pytest.raises(ConfigError, match="precision"):
         config_for(world, tmp_path, precision="fp8")

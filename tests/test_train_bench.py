@@ -37,7 +37,7 @@ def test_bench_train_step_runs_tiny_on_cpu(tmp_path):
     (store_row,) = [r for r in res if r["impl"] == "fast-from-store"]
     assert (store_row["T"], store_row["share"]) == (16, 0.65)
     assert store_row["tokens_per_s"] > 0 and store_row["loader_alone_batches_per_s"] > 0 and store_row["vs_in_memory"] > 0
-    from eagle3.store import HiddenStateStore
+    from eagle3.formats.store import HiddenStateStore
 
     store = HiddenStateStore(tmp_path / "store" / "T16-share0.65")
     mask = store[0]["loss_mask"]  # a prompt (out of the loss), then the reply: round(16 x 0.35) = 6 positions out

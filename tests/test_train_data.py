@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from train import checkpoint as ckpt
-from train.data import BatchStream, collate, plan_epoch, shard_for_rank
+from train import checkpointing as ckpt
+from train.batches import BatchStream, collate, plan_epoch, shard_for_rank
 from train.schedule import resolve_warmup, warmup_cosine
 from train.validate import validation_plan
 

@@ -26,7 +26,7 @@ def free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("unroll,fused", [("auto", False), ("fast", True)])
 def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, unroll, fused):
-    """fast: weight gradients handed over by eagle3/wgrad.py's node; fused: a fused AdamW with the clip
+    """fast: weight gradients handed over by eagle3/ttt/wgrad.py's node; fused: a fused AdamW with the clip
     folded into its step (train/engine.clip_gradients), clipping every step (grad_clip 0.05)."""
     common = dict(max_steps=6, epochs="null", checkpoint_every=3, unroll=unroll)
     if fused:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.conf import ConfigError
+from eagle3.config.conf import ConfigError
 from tests.fixtures.train_world import config_for, world  # noqa: F401  (session fixture)
-from train.data import BackgroundBatches, BatchStream, collate, make_loader
+from train.batches import BackgroundBatches, BatchStream, collate, make_loader
 from train.loop import run_train
 from train.prefetch import DevicePrefetcher
 from train.trainer import use_compile
@@ -130,7 +130,7 @@ def test_device_prefetcher_peeks_host_batches_in_order_without_losing_or_repeati
 
 
 def test_make_loader_without_pinning_is_a_dataloader_over_the_same_plan(world):  # noqa: F811
-    from eagle3.store import HiddenStateStore
+    from eagle3.formats.store import HiddenStateStore
 
     store = HiddenStateStore(world["capture"] / "train")
     stream = BatchStream(store.lengths, max_tokens=160, max_length=40, seed=3)

@@ -9,15 +9,15 @@ import shutil
 import pytest
 import torch
 
-from eagle3.conf import compose, to_schema
-from eagle3.image_embeddings import CONFIG_KEY
-from eagle3.manifest import write_manifest
-from eagle3.model import DrafterLayer
-from eagle3.schema.train import TrainConfig
-from eagle3.store import HiddenStateStore, HiddenStateWriter
-from eagle3.unroll import TTTObjective, ttt_unroll
+from eagle3.config.conf import compose, to_schema
+from eagle3.drafter.image_embeddings import CONFIG_KEY
+from eagle3.formats.manifest import write_manifest
+from eagle3.drafter.model import DrafterLayer
+from eagle3.config.schema.train import TrainConfig
+from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
+from eagle3.ttt.unroll import TTTObjective, ttt_unroll
 from tests.fixtures.train_world import overrides, write_world
-from train.data import StoreSequences, collate
+from train.batches import StoreSequences, collate
 from train.loop import run_train
 from train.model_setup import init_drafter
 

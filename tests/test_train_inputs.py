@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import eagle3.unroll_common
-from eagle3.store import HiddenStateWriter
+import eagle3.ttt.unroll_common
+from eagle3.formats.store import HiddenStateWriter
 from tests.fixtures.train_world import config_for, world  # noqa: F401  (fixture)
 from train.inputs import TrainInputError
 from train.loop import run_train
@@ -71,10 +71,10 @@ def test_missing_vocab_stage_names_the_file(world, tmp_path):
 
 
 class NaNTeacherAt:
-    """Wraps eagle3.unroll_common.teacher_logits (both unrolls' teacher): call number `n` (1-based) returns NaN."""
+    """Wraps eagle3.ttt.unroll_common.teacher_logits (both unrolls' teacher): call number `n` (1-based) returns NaN."""
 
     def __init__(self, n):
-        self.n, self.calls, self.real = n, 0, eagle3.unroll_common.teacher_logits
+        self.n, self.calls, self.real = n, 0, eagle3.ttt.unroll_common.teacher_logits
 
     def __call__(self, last, rows):
         self.calls += 1
@@ -83,7 +83,7 @@ class NaNTeacherAt:
 
 
 def test_nonfinite_loss_stops_naming_step_and_sequences(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(eagle3.unroll_common, "teacher_logits", NaNTeacherAt(7))
+    monkeypatch.setattr(eagle3.ttt.unroll_common, "teacher_logits", NaNTeacherAt(7))
     out = tmp_path / "nan"
     # no validation: every teacher call is one training micro-batch, so call 7 is step 7
     cfg = config_for(world, out, "scratch", max_steps=10, epochs="null", **{"data.val_split": ""})
@@ -96,7 +96,7 @@ def test_nonfinite_loss_stops_naming_step_and_sequences(world, tmp_path, monkeyp
 
 
 def test_nonfinite_loss_can_be_skipped_and_counted(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(eagle3.unroll_common, "teacher_logits", NaNTeacherAt(3))
+    monkeypatch.setattr(eagle3.ttt.unroll_common, "teacher_logits", NaNTeacherAt(3))
     out = tmp_path / "skip"
     cfg = config_for(world, out, "scratch", max_steps=6, epochs="null", on_nonfinite="skip",
                      **{"data.val_split": ""})
@@ -108,7 +108,7 @@ def test_nonfinite_loss_can_be_skipped_and_counted(world, tmp_path, monkeypatch)
 
 
 def test_token_ids_outside_the_vocab_are_named(world, tmp_path):
-    from eagle3.store import HiddenStateStore
+    from eagle3.formats.store import HiddenStateStore
 
     w = copy_world(world, tmp_path)
     src = HiddenStateStore(world["capture"] / "train")

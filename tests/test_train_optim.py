@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from eagle3 import triton_kernels
+from eagle3.ttt import triton_kernels
 from train.engine import clip_folds_into_step, clip_gradients, optimizer_step
 from train.optim import TritonAdamW, adamw
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3 import hooks
-from eagle3.checkpoints import CheckpointError
+from eagle3.formats.checkpoints import CheckpointError
 from hooked_stage import hooked_command
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
 from train.loop import run_train

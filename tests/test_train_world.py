@@ -1,15 +1,15 @@
 """The toy training world of tests/fixtures/train_world.py is what the train tests assume."""
 import torch
 
-from eagle3.target_io import load_lm_head_rows
-from eagle3.vocab_map import t2d_from_ids
+from eagle3.target_model.target_io import load_lm_head_rows
+from eagle3.drafter.vocab_map import t2d_from_ids
 from tests.fixtures.train_world import write_world
 
 
 def test_toy_world_is_consistent(tmp_path, tiny_k25_target):
     """The toy's stored target argmax is the teacher's top token and mostly inside the draft vocab."""
-    from eagle3.loss import loss_positions
-    from eagle3.store import HiddenStateStore
+    from eagle3.ttt.loss import loss_positions
+    from eagle3.formats.store import HiddenStateStore
 
     world = write_world(tmp_path, tiny_k25_target, n_train=4, n_val=2)
     store = HiddenStateStore(world["capture"] / "train")

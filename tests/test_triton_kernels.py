@@ -1,11 +1,11 @@
-"""eagle3/triton_kernels.py: the Triton kernels give the eager functions' results (eagle3/fast_kernels
+"""eagle3/ttt/triton_kernels.py: the Triton kernels give the eager functions' results (eagle3/fast_kernels
 diagonal_merge_forward / _backward, soft_ce_chunk), on CUDA (skipped elsewhere: CI has no GPU; run on
 the device, BENCHMARKS.md). Without a GPU, `usable` must refuse and the compiled path is used."""
 import pytest
 import torch
 
-from eagle3 import triton_kernels
-from eagle3.fast_kernels import diagonal_merge_backward, diagonal_merge_forward, soft_ce_chunk
+from eagle3.ttt import triton_kernels
+from eagle3.ttt.fast_kernels import diagonal_merge_backward, diagonal_merge_forward, soft_ce_chunk
 
 
 def test_usable_refuses_cpu_and_odd_head_dims():

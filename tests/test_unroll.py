@@ -1,4 +1,4 @@
-"""The TTT unroll (eagle3/unroll.py) against a naive step-by-step reference written here: every
+"""The TTT unroll (eagle3/ttt/unroll.py) against a naive step-by-step reference written here: every
 step recomputed from scratch over the concatenation of all earlier steps' inputs with an explicit
 full attention mask (no TTT cache), teacher from the *full* target head, masks and weights from
 DESIGN.md's formula evaluated position by position."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt import ttt_position_ids
-from eagle3.unroll import TTTObjective, step_position_counts, ttt_unroll
-from eagle3.vocab_map import ids_from_d2t
+from eagle3.ttt.attention import ttt_position_ids
+from eagle3.ttt.unroll import TTTObjective, step_position_counts, ttt_unroll
+from eagle3.drafter.vocab_map import ids_from_d2t
 from tests.fixtures.unroll_batch import DV, H, V, tiny_batch, tiny_drafter
 
 
@@ -161,7 +161,7 @@ def test_the_two_unrolls_do_not_import_each_other():
     """unroll.py (reference + the TTTObjective dispatcher) imports fast_unroll.py; both share unroll_common.py,
     which imports neither, and fast_unroll imports nothing of unroll.py (at module or function level)."""
     def eagle3_imports(name):
-        tree = ast.parse((Path(__file__).parents[1] / "eagle3" / f"{name}.py").read_text())
+        tree = ast.parse((Path(__file__).parents[1] / "eagle3" / "ttt" / f"{name}.py").read_text())
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("eagle3")}
-    assert "eagle3.unroll" not in eagle3_imports("fast_unroll") and "eagle3.unroll_common" in eagle3_imports("fast_unroll")
-    assert not {"eagle3.unroll", "eagle3.fast_unroll"} & eagle3_imports("unroll_common")
+    assert "eagle3.ttt.unroll" not in eagle3_imports("fast_unroll") and "eagle3.ttt.unroll_common" in eagle3_imports("fast_unroll")
+    assert not {"eagle3.ttt.unroll", "eagle3.ttt.fast_unroll"} & eagle3_imports("unroll_common")

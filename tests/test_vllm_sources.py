@@ -29,7 +29,9 @@ import torch
 
 from data import capture_vllm
 from data.capture import Dist, run_capture
-from eagle3 import target_io, vllm_images, vllm_protocol
+from eagle3.target_model import target_io
+from eagle3.engines import vllm_images
+from eagle3.engines import vllm_protocol
 from tests.fixtures import vllm_sources
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_capture import LIMIT, assert_no_connector_files, assert_same_store, hf_store  # noqa: F401
@@ -58,7 +60,7 @@ def vllm():
                  "base": "vllm.distributed.kv_transfer.kv_connector.v1.base",
                  "kv_iface": "vllm.v1.kv_cache_interface", "forward_context": "vllm.forward_context",
                  "protocol": "vllm.entrypoints.openai.completion.protocol", "version": "vllm._version",
-                 # the image facts (eagle3/vllm_images.py)
+                 # the image facts (eagle3/engines/vllm_images.py)
                  "hf": "vllm.renderers.hf", "chat_message": "vllm.renderers.chat_utils.chat_message",
                  "content_parser": "vllm.renderers.chat_utils.content_parser",
                  "chat": "vllm.entrypoints.openai.chat_completion.protocol",
@@ -377,7 +379,7 @@ def test_capture_through_vllms_code_equals_the_hf_store(vllm, tmp_path, targets,
     assert_no_connector_files(cfg)
 
 
-# ---- image prompts through the chat endpoint (eagle3/vllm_images.py) ------------------------------------
+# ---- image prompts through the chat endpoint (eagle3/engines/vllm_images.py) ------------------------------------
 # What runs: Kimi-K2.5's placeholder string, the content-format detection on the verbatim template, the
 # multimodal text prompt assembly, ChatCompletionRequest on the backend's body (and the chat params it builds),
 # ChatCompletionResponse read back by parse_chat, the serve CLI with the flag; read, not run: the online

@@ -1,4 +1,4 @@
-"""eagle3.vocab_map: hand-checked mapping cases, the d2t offset convention, tie breaking,
+"""eagle3.drafter.vocab_map: hand-checked mapping cases, the d2t offset convention, tie breaking,
 fill when too few tokens are seen, validation, counting and the comparison."""
 import random
 from collections import Counter
@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, ids_from_d2t, mapping_problems,
-                              masked_token_counts, order_problems, t2d_from_ids, top_n_vocab, validate_mapping)
+from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, ids_from_d2t, mapping_problems,
+                                      masked_token_counts, order_problems, t2d_from_ids, top_n_vocab, validate_mapping)
 
 
 def test_top_n_hand_checked_with_tie_broken_by_id():

@@ -11,11 +11,11 @@ from transformers import AutoTokenizer
 
 from data.prepare import run_prepare
 from data.vocab import VocabStageError, run_vocab
-from eagle3.conf import compose, to_schema
-from eagle3.manifest import read_manifest
-from eagle3.schema.prepare import PrepareConfig
-from eagle3.schema.vocab import VocabConfig
-from eagle3.vocab_map import ids_from_d2t, validate_mapping
+from eagle3.config.conf import compose, to_schema
+from eagle3.formats.manifest import read_manifest
+from eagle3.config.schema.prepare import PrepareConfig
+from eagle3.config.schema.vocab import VocabConfig
+from eagle3.drafter.vocab_map import ids_from_d2t, validate_mapping
 
 V = 512  # the tiny target's vocab
 

@@ -1,4 +1,4 @@
-"""eagle3/wgrad.py: weight gradients summed in fp32 over a batch's uses, handed to the parameters
+"""eagle3/ttt/wgrad.py: weight gradients summed in fp32 over a batch's uses, handed to the parameters
 through one autograd node; and the fast unroll's SwiGLU recompute (eagle3/fast_unroll._SwiGLUDown)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.fast_unroll import _SwiGLUDown
-from eagle3.fused_ce import scaled_linear_soft_cross_entropy
-from eagle3.wgrad import ALL, WeightGrads, linear, matmul_accumulate, shared_weights
+from eagle3.ttt.fast_unroll import _SwiGLUDown
+from eagle3.ttt.fused_ce import scaled_linear_soft_cross_entropy
+from eagle3.ttt.wgrad import ALL, WeightGrads, linear, matmul_accumulate, shared_weights
 
 
 def _params(seed=0, dtype=torch.float64):
@@ -123,7 +123,7 @@ def test_one_weight_scaled_by_two_upstream_factors_is_refused():
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)])
 def test_rms_norm_backward_is_autograd_of_rms_norm(x_dtype, w_dtype):
-    from eagle3.fast_kernels import rms_norm, rms_norm_backward
+    from eagle3.ttt.fast_kernels import rms_norm, rms_norm_backward
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 16, generator=g).to(x_dtype).requires_grad_()
     w = (1 + 0.1 * torch.randn(16, generator=g)).to(w_dtype).requires_grad_()
@@ -137,8 +137,8 @@ def test_rms_norm_backward_is_autograd_of_rms_norm(x_dtype, w_dtype):
 
 
 def test_norm_linear_recomputes_the_norm_and_matches_autograd():
-    from eagle3.fast_kernels import rms_norm
-    from eagle3.fast_unroll import _NormLinear
+    from eagle3.ttt.fast_kernels import rms_norm
+    from eagle3.ttt.fast_unroll import _NormLinear
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
     nw = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -153,7 +153,7 @@ def test_norm_linear_recomputes_the_norm_and_matches_autograd():
 
 
 def test_diagonal_keys_release_only_tensors_that_own_their_storage():
-    from eagle3.ttt_flash import DiagonalKeys
+    from eagle3.ttt.ttt_flash import DiagonalKeys
     q = torch.randn(1, 4, 2, 3)
     keys = DiagonalKeys(2, q)
     k, v = torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2, 3)

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from eagle3 import aux_layers
+from eagle3.engines import aux_layers
 from eagle3.errors import StageError
-from eagle3.manifest import ManifestError, fingerprint, read_manifest
-from eagle3.store import HiddenStateStore, StoreError
+from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
+from eagle3.formats.store import HiddenStateStore, StoreError
 
 log = logging.getLogger(__name__)
 VOCAB_FILE = "vocab.safetensors"
@@ -64,7 +64,7 @@ def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:
         raise TrainInputError(f"{path}: lacks {missing}")
-    from eagle3.vocab_map import VocabMapError, validate_mapping
+    from eagle3.drafter.vocab_map import VocabMapError, validate_mapping
 
     try:  # the file's own d2t and t2d must describe the same vocab before anything uses them
         validate_mapping(tensors["d2t"], tensors["t2d"])

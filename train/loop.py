@@ -1,11 +1,11 @@
 """The train stage: `run_train(config) -> out_dir` (what `train/run.py` and tests call).
 
 One CPU process, one GPU, or `accelerate launch` (DDP; `fsdp=true` for FSDP). Per optimizer step
-each rank takes `grad_accum` token-budget micro-batches of its shard (train/data.py); AdamW (fused on
+each rank takes `grad_accum` token-budget micro-batches of its shard (train/batches.py); AdamW (fused on
 CUDA), warmup + cosine, grad clipping; bf16 autocast on GPU. The run itself is a `Trainer`
 (train/trainer.py: setup, data, step, validate, checkpoint, finish).
 
-Restartable: checkpoints every `checkpoint_every` steps (train/checkpoint.py, atomic) hold the
+Restartable: checkpoints every `checkpoint_every` steps (train/checkpointing.py, atomic) hold the
 weights, optimizer, scheduler, RNG and data position; rerunning the same command resumes from the
 newest one; a finished run whose manifest matches config and inputs is reused as is.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eagle3.manifest import read_manifest, stale_keys
+from eagle3.formats.manifest import read_manifest, stale_keys
 from train.engine import make_accelerator, prefer_expandable_segments, uses_fsdp
 from train.inputs import open_inputs
 from train.trainer import FINAL, Trainer, init_fingerprint

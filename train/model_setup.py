@@ -7,12 +7,12 @@ from typing import Optional
 
 import torch
 
-from eagle3 import target_io
-from eagle3.drafter_io import assert_compatible, save_drafter_dir
-from eagle3.image_embeddings import CONFIG_KEY, check_convention
-from eagle3.init_drafter import build_training_drafter
-from eagle3.model import Eagle3Drafter
-from eagle3.vocab_map import ids_from_d2t
+from eagle3.target_model import target_io
+from eagle3.drafter.drafter_io import assert_compatible, save_drafter_dir
+from eagle3.drafter.image_embeddings import CONFIG_KEY, check_convention
+from eagle3.drafter.initial import build_training_drafter
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.drafter.vocab_map import ids_from_d2t
 from train.inputs import TrainInputError, check_store_fits_drafter, check_vocab_fits_drafter, open_inputs
 
 

@@ -12,7 +12,7 @@ Anything the kernel does not take (CPU, non-fp32 or sparse parameters, amsgrad, 
 differentiable, a tensor lr, `found_inf`) goes to torch's own step, with a pending `grad_scale`
 applied to the gradients first, so the result is the same on every device.
 
-Imports only torch (and Triton through eagle3/triton_kernels.py when it steps on CUDA).
+Imports only torch (and Triton through eagle3/ttt/triton_kernels.py when it steps on CUDA).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from eagle3 import triton_kernels
+from eagle3.ttt import triton_kernels
 
 
 class TritonAdamW(torch.optim.AdamW):

@@ -3,16 +3,12 @@
 Under several processes: `accelerate launch train/run.py +init=...` (DDP; add fsdp=true for FSDP).
 Rerunning the same command resumes from the newest checkpoint, or reuses a finished run.
 """
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
 
-import hydra  # noqa: E402
-
-from eagle3.conf import to_schema  # noqa: E402
-from eagle3.errors import run_main, stage_errors  # noqa: E402
-from eagle3.schema.train import TrainConfig  # noqa: E402
+from eagle3.config.conf import to_schema
+from eagle3.errors import run_main, stage_errors
+from eagle3.config.schema.train import TrainConfig
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)

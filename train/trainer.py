@@ -4,12 +4,12 @@
   data        the batch loader from this rank's current position (reader thread + device prefetch)
   step        one optimizer step over `grad_accum` micro-batches, with the non-finite policy
   validate    held-out loss/accuracy (+ simulated accept length), logged
-  checkpoint  an atomic checkpoint of everything a resume needs (train/checkpoint.py)
+  checkpoint  an atomic checkpoint of everything a resume needs (train/checkpointing.py)
   finish      `final/` (drafter dir + file index) and the stage manifest
   run         the loop that ties them: validate the init, then step / log / validate / checkpoint
 
 Each step's loss is normalised by the valid-position counts of the WHOLE optimizer step over all ranks
-(eagle3/unroll.py), so the update does not depend on how the tokens were split. A non-finite loss
+(eagle3/ttt/unroll.py), so the update does not depend on how the tokens were split. A non-finite loss
 stops the run naming the step and its sequences (or, with on_nonfinite=skip, drops that update and
 counts it); nothing is written for that step. After each applied step the loop fires the test hook
 point `train.after_step` (eagle3/hooks.py; nothing is installed outside tests).
@@ -28,13 +28,13 @@ import torch
 from accelerate.utils import gather_object
 
 from eagle3 import hooks
-from eagle3.conf import as_plain_dict
+from eagle3.config.conf import as_plain_dict
 from eagle3.errors import StageError
-from eagle3.image_embeddings import resolve as resolve_image_embeddings, rows_problem
-from eagle3.manifest import MANIFEST, sha256_file, write_manifest
-from eagle3.unroll import TTTObjective, step_position_counts
-from train import checkpoint as ckpt
-from train.data import BatchStream, make_loader
+from eagle3.drafter.image_embeddings import resolve as resolve_image_embeddings, rows_problem
+from eagle3.formats.manifest import MANIFEST, sha256_file, write_manifest
+from eagle3.ttt.unroll import TTTObjective, step_position_counts
+from train import checkpointing as ckpt
+from train.batches import BatchStream, make_loader
 from train.engine import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
                           make_optimizer, make_scheduler, mixed_precision, optimizer_name, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from eagle3.replay.evaluate import simulate_accept_length
-from train.data import batch_to_device, collate, plan_epoch, StoreSequences
+from train.batches import batch_to_device, collate, plan_epoch, StoreSequences
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def simulated_accept_length(drafter, store, max_sequences: int, image_embeddings
                             ) -> Optional[dict]:
     """SGLang-convention accept length of the eval stage's replay (rank 0, unwrapped drafter), or None
     when not asked for or the replay failed. {knob label: accept length}. image_embeddings: what the
-    drafter reads at image rows (the run's convention, eagle3/image_embeddings.py)."""
+    drafter reads at image rows (the run's convention, eagle3/drafter/image_embeddings.py)."""
     if max_sequences <= 0:
         return None
     was_training = drafter.training

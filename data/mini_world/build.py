@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3.conf import as_plain_dict
+from eagle3.config.conf import as_plain_dict
 from eagle3.cpu_threads import auto_threads
 from eagle3.errors import StageError
-from eagle3.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
-from eagle3.media_tokens import media_token_ids
-from eagle3.schema.mini_world import MiniWorldConfig
+from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
+from eagle3.target_model.media_tokens import media_token_ids
+from eagle3.config.schema.mini_world import MiniWorldConfig
 from eagle3.world import deterministic_algorithms, deterministic_ops_note, weights_fingerprint
 
 from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path

@@ -1,4 +1,4 @@
-"""A small target in the Kimi-K2.5 release's own INT4 format (eagle3/release_format.py): the same
+"""A small target in the Kimi-K2.5 release's own INT4 format (eagle3/formats/release_format.py): the same
 layout, names and config.json as `save_kimi_k25` writes, with the routed experts of the MoE layers
 quantised and packed by compressed-tensors (group 32, int4, bf16 scales) and every other weight
 bf16, as in the ~600 GB release. Tests load it through `target=kimi_k25`'s real path."""
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from data.mini_world.checkpoints import WEIGHTS, _finish_dir, _tmp_dir_next_to, save_kimi_k25
-from eagle3.release_format import to_release_tensors, with_release_quantization
+from eagle3.formats.release_format import to_release_tensors, with_release_quantization
 
 
 def save_kimi_k25_release(text_model, tokenizer, out_dir: Path | str, *, vision_config=None, seed: int = 0) -> Path:

@@ -2,10 +2,10 @@
 trained jointly with it on seeded synthetic scenes (data/mini_world/scenes.py), and the held-out image
 conversations of the K2.5 corpus.
 
-An image conversation is rendered exactly as prepare renders it (eagle3/media_tokens.py: the image block
+An image conversation is rendered exactly as prepare renders it (eagle3/target_model/media_tokens.py: the image block
 before the user turn's text, one `<|media_pad|>` per LM position, the count from K2.5's rule), tokenized
 piecewise at the role tokens (specials, so the pieces tokenize as the whole), with loss on the assistant
-answers and their `<|im_end|>` only. The images go through eagle3/images.py (the PNG bytes prepare would
+answers and their `<|im_end|>` only. The images go through eagle3/target_model/images.py (the PNG bytes prepare would
 store) and the wrapper's own multimodal forward, so what k25-mini learns from is what capture replays.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from data.mini_world import checkpoints as ck
 from data.mini_world import scenes
 from data.mini_world.lm import BatchSampler, optimise, pack_blocks, resolve_device
 from data.mini_world.tokenizer import IM_END
-from eagle3 import images as img_rule
-from eagle3.media_tokens import MEDIA_PAD, user_content
+from eagle3.target_model import images as img_rule
+from eagle3.target_model.media_tokens import MEDIA_PAD, user_content
 
 IGNORE = -100
 
@@ -81,7 +81,7 @@ def example_pool(tok, n: int, *, seed: int, size: int, max_turns: int) -> list[I
 
 
 def pixel_batch(pngs: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values [N, 3, 14, 14], image_grid_thw [n, 3]) by K2.5's rule (eagle3/images.py)."""
+    """(pixel_values [N, 3, 14, 14], image_grid_thw [n, 3]) by K2.5's rule (eagle3/target_model/images.py)."""
     import numpy as np
 
     pv, thw = img_rule.preprocess_many([img_rule.decode_image(p) for p in pngs])
@@ -189,7 +189,7 @@ def interleave(text_records: list[dict], image_records: list[dict], every: int) 
 def greedy_answers(wrapper, tok, pngs: list[bytes], question: str, max_new_tokens: int = 16) -> list[str]:
     """The wrapper's greedy answer to `question` about each image (one conversation per image)."""
     from data.hf_generator import HFGenerator
-    from eagle3.images import data_uri
+    from eagle3.target_model.images import data_uri
 
     gen = HFGenerator(wrapper.eval(), tok, max_new_tokens=max_new_tokens)
     prompts = [[{"role": "user", "content": question, "images": [data_uri(p)]}] for p in pngs]

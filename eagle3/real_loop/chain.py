@@ -10,13 +10,13 @@ drafter's cache the extend pairs (aux_t, x_{t+1}) for t = 0..q-1 and its output 
      states; g_j = its argmax after position q+j; k = longest prefix with d_{j+1} == g_j;
   3. accept d_1..d_k plus the bonus g_k; crop the target cache to q+k+1 entries, truncate the drafter
      cache back to q entries and extend it with pairs (aux_{q..q+k}, [d_1..d_k, g_k]).
-Emitted per cycle: k+1, capped by the tokens still wanted (as the replay in eagle3/accept_sim.py
+Emitted per cycle: k+1, capped by the tokens still wanted (as the replay in eagle3/replay/accept_sim.py
 counts the last cycle of a segment), so for the target's own greedy output the simulated accept
 length on the same sequence is the same number (tests/test_eval_real_loop.py).
 
 A prompt with images (`PromptImages`): the target's prefill reads its fused input embeddings (the store's
 rows at the image positions), and the drafter's prefill reads what the image_embeddings convention feeds
-(eagle3/image_embeddings.py); every generated token is text, so later cycles are unchanged.
+(eagle3/drafter/image_embeddings.py); every generated token is text, so later cycles are unchanged.
 
 Imports torch, transformers (through the target model) and eagle3 core only.
 """
@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from eagle3.image_embeddings import check_convention, token_embeddings
-from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
-from eagle3.ttt import KVCache
+from eagle3.drafter.image_embeddings import check_convention, token_embeddings
+from eagle3.target_model.target_io import AuxHiddenCapture, lm_head, text_model
+from eagle3.ttt.attention import KVCache
 
 
 @dataclass

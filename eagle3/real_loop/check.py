@@ -2,7 +2,7 @@
 
 For each prompt: the target's plain greedy decode (reference + baseline timing), the real
 speculative decode per knob setting (chain: eagle3/real_loop/chain.py, tree: eagle3/real_loop/tree.py;
-must be token-identical: lossless), then the replay of eagle3/accept_sim.py over prompt + the target's
+must be token-identical: lossless), then the replay of eagle3/replay/accept_sim.py over prompt + the target's
 greedy output (captured by one target forward), which must give the same accept length; and the cost
 model fed with the real loop's measured latencies, whose predicted tok/s is compared with the loop's
 measured tok/s.
@@ -13,12 +13,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
-from eagle3.cost_model import measured_latencies, predict
+from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.replay.cost_model import measured_latencies, predict
 from eagle3.real_loop.chain import PromptImages, greedy_decode, speculative_decode
 from eagle3.real_loop.tree import tree_speculative_decode
 from eagle3.replay.drafter_session import SequenceDrafter
-from eagle3.target_io import AuxHiddenCapture, lm_head, text_model
+from eagle3.target_model.target_io import AuxHiddenCapture, lm_head, text_model
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ a tree attention mask. Greedy, batch 1.
 
 Per cycle (x_q the last verified token; target cache = positions 0..q-1; drafter cache = the extend
 pairs of 0..q-1 and its output at q-1):
-  1. draft the tree with `eagle3.accept_sim.build_sglang_tree`, the drafter attending to its cache
+  1. draft the tree with `eagle3.replay.accept_sim.build_sglang_tree`, the drafter attending to its cache
      plus each row's own path (eagle3/replay/drafter_session.BeamCache);
   2. verify [x_q, node_1..node_n]: node i sits at position q + depth(i) and attends to the whole
      prefix, the root and its own ancestors (a 4D additive mask, which transformers uses as given);
@@ -18,12 +18,12 @@ from typing import Optional
 
 import torch
 
-from eagle3.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.replay.accept_sim import SpecKnobs, build_sglang_tree
 from eagle3.real_loop.chain import (PromptImages, SpecResult, TargetRunner, elapsed_ms, eos_ids, prefill_inputs,
-                                   sync_device)
+                                    sync_device)
 from eagle3.replay.drafter_session import BeamCache
-from eagle3.target_io import AuxHiddenCapture
-from eagle3.ttt import KVCache
+from eagle3.target_model.target_io import AuxHiddenCapture
+from eagle3.ttt.attention import KVCache
 
 
 class LiveTreeDrafter:

@@ -1,4 +1,4 @@
-"""The real drafter behind `eagle3.accept_sim`'s StepDrafter protocol, over one stored sequence.
+"""The real drafter behind `eagle3.replay.accept_sim`'s StepDrafter protocol, over one stored sequence.
 
 SGLang's draft at a cycle whose last verified token sits at position q:
   * context: the draft-extend has run the drafter over the verified prefix, pairs
@@ -8,7 +8,7 @@ SGLang's draft at a cycle whose last verified token sits at position q:
     at position q+j-2, attending over the prefix plus its own path (a tree: each kept path its own).
 Because the extend is causal, the prefix pass over the WHOLE sequence once gives, for every q, the
 same keys/values and outputs as an extend over the prefix 0..q-1 alone; each cycle then only runs
-its draft steps. `BeamCache` is a duck-typed `eagle3.ttt.KVCache` (`attend`) holding a shared prefix
+its draft steps. `BeamCache` is a duck-typed `eagle3.ttt.attention.KVCache` (`attend`) holding a shared prefix
 and one path per tree row.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt import KVCache, repeat_kv
+from eagle3.ttt.attention import KVCache, repeat_kv
 
 
 class BeamCache:
@@ -56,7 +56,7 @@ class SequenceDrafter:
     def __init__(self, model, aux: torch.Tensor, input_ids: torch.Tensor, topk: int,
                  embeds: Optional[torch.Tensor] = None):
         """embeds [T, H]: the prefix's input embeddings when they are not embed_tokens(input_ids) (image rows
-        under image_embeddings=fused: eagle3/image_embeddings.py); drafted tokens are always embedded."""
+        under image_embeddings=fused: eagle3/drafter/image_embeddings.py); drafted tokens are always embedded."""
         dev = model.fc.weight.device
         T = input_ids.numel()
         if T < 2:
@@ -78,7 +78,7 @@ class SequenceDrafter:
 
 
 class CycleDrafter:
-    """StepDrafter (eagle3.accept_sim) of the cycle whose last verified token is at position q."""
+    """StepDrafter (eagle3.replay.accept_sim) of the cycle whose last verified token is at position q."""
 
     def __init__(self, seq: SequenceDrafter, q: int):
         if not 1 <= q <= seq.prenorm.shape[0]:

@@ -5,7 +5,7 @@ a JSON-friendly dict out) that `eval/stage.py` and training's periodic validatio
     indexing": same positions `loss_mask[t+k+2] & t2d[argmax_{t+k+1}]`, same d2t mapping), plus
     the conditional accuracy P(step k right | steps < k right at the same position), which is
     what a draft chain needs;
-  * the simulated accept length (eagle3/accept_sim.py) for each SGLang knob setting, with the real
+  * the simulated accept length (eagle3/replay/accept_sim.py) for each SGLang knob setting, with the real
     drafter (eagle3/replay/drafter_session.py) and with n-gram prompt lookup on the same sequences.
 
 Imports only torch and eagle3 core modules (runs on the GPU machine without hydra/wandb).
@@ -17,17 +17,17 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from eagle3 import aux_layers
-from eagle3.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
-                               replay_sequence)
-from eagle3.cost_model import accept_length_from_acceptance
+from eagle3.engines import aux_layers
+from eagle3.replay.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
+                                      replay_sequence)
+from eagle3.replay.cost_model import accept_length_from_acceptance
 from eagle3.errors import StageError
-from eagle3.image_embeddings import token_embeddings
-from eagle3.loss import loss_positions, shift_left
-from eagle3.ngram import PromptLookup
+from eagle3.drafter.image_embeddings import token_embeddings
+from eagle3.ttt.loss import loss_positions, shift_left
+from eagle3.replay.ngram import PromptLookup
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.tree_batch import all_cycle_trees
-from eagle3.ttt import TTTCache, ttt_position_ids
+from eagle3.ttt.attention import TTTCache, ttt_position_ids
 
 DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
 MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
@@ -89,7 +89,7 @@ def traffic_of(store, s: dict) -> str:
 @torch.no_grad()
 def sequence_embeds(model, store, s: dict, image_embeddings: str = "placeholder") -> Optional[torch.Tensor]:
     """The input embeddings [T, H] the drafter reads for store item `s` under the image_embeddings convention
-    (eagle3/image_embeddings.py), or None when they are embed_tokens(input_ids)."""
+    (eagle3/drafter/image_embeddings.py), or None when they are embed_tokens(input_ids)."""
     dev = model.fc.weight.device
     with torch.no_grad():
         return token_embeddings(model.embed_tokens, s["input_ids"].long().to(dev), image_embeddings,
@@ -214,9 +214,9 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     chain, draft j+1 only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
     a replay segment ARE the stored tokens the unroll feeds; its hidden inputs are the drafter's own
     outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
-    chain's keys, which is the TTT attention pattern (eagle3/ttt.py). method="sequential" drafts
+    chain's keys, which is the TTT attention pattern (eagle3/ttt/attention.py). method="sequential" drafts
     every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare
-    against). image_embeddings: what the drafter embeds at image rows (eagle3/image_embeddings.py)."""
+    against). image_embeddings: what the drafter embeds at image rows (eagle3/drafter/image_embeddings.py)."""
     if method not in ("auto", "sequential"):
         raise ValueError(f"method={method!r}: expected 'auto' or 'sequential'")
     out = {k.label: _stats(k, ngram) for k in knobs}

@@ -3,7 +3,7 @@
 A cycle's tree depends only on its start q (the verified prefix), not on earlier cycles, so the
 trees of all q = 1..T-1 can be drafted together: rows = (q, beam), each row attending to the prefix
 keys 0..q-1 (one shared prefix pass, masked per row) plus its own path's keys. The tree-building
-rules are eagle3/accept_sim.py's `build_sglang_tree` (SGLang's select_top_k_tokens /
+rules are eagle3/replay/accept_sim.py's `build_sglang_tree` (SGLang's select_top_k_tokens /
 organize_draft_results), vectorised over q; tests check both give the same trees. The replay then
 reads the trees of the q it visits. ~T/tau times more drafting than needed, but batched: far
 faster than drafting cycle by cycle.
@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from eagle3.accept_sim import DraftTree, SpecKnobs
-from eagle3.ttt import KVCache
+from eagle3.replay.accept_sim import DraftTree, SpecKnobs
+from eagle3.ttt.attention import KVCache
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _organize(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
 def all_cycle_trees(model, aux: torch.Tensor, input_ids: torch.Tensor, knobs: SpecKnobs,
                     chunk_rows: int = 2048, embeds: Optional[torch.Tensor] = None) -> list[DraftTree]:
     """trees[q] for q = 1..T-1 (trees[0] is an empty placeholder). aux [T, 3*Ht], input_ids [T]; embeds [T, H]
-    the prefix's input embeddings when not embed_tokens(input_ids) (eagle3/image_embeddings.py)."""
+    the prefix's input embeddings when not embed_tokens(input_ids) (eagle3/drafter/image_embeddings.py)."""
     dev = model.fc.weight.device
     T, k = input_ids.numel(), knobs.topk
     ids = input_ids.long().to(dev)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def train_config(world: dict, out_dir: Path, **extra):
-    from eagle3.conf import compose, to_schema
-    from eagle3.schema.train import TrainConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.train import TrainConfig
     from tests.fixtures.train_world import overrides
 
     base = dict(max_steps=4, epochs="null", checkpoint_every=2, keep_checkpoints=0)
@@ -19,8 +19,8 @@ def train_config(world: dict, out_dir: Path, **extra):
 
 
 def export_config(world: dict, checkpoint: Path, out_dir: Path, *overrides: str):
-    from eagle3.conf import compose, to_schema
-    from eagle3.schema.export import ExportConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.export import ExportConfig
 
     cfg = compose("export", [f"paths.root={Path(out_dir).parent / 'root'}", f"target.path={world['target']}",
                              f"checkpoint_dir={checkpoint}", f"capture_dir={world['capture']}",

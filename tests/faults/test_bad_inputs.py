@@ -15,7 +15,7 @@ def write_store(d: Path, *, hidden: int, hf_indices, n: int = 2, nan_in: str | N
                 seed: int = 0) -> Path:
     """A complete hidden-state store; `nan_in="aux"` puts a NaN in the first sequence's aux states, and
     check_finite=False writes it past the writer's own check (as a GPU capture that checks elsewhere may)."""
-    from eagle3.store import HiddenStateWriter
+    from eagle3.formats.store import HiddenStateWriter
 
     g = torch.Generator().manual_seed(seed)
     w = HiddenStateWriter(d, hidden_size=hidden, target_hidden_size=hidden, hf_indices=list(hf_indices),
@@ -51,7 +51,7 @@ def lone_checkpoint(pipeline, tmp_path) -> Path:
 
 def test_corpus_of_malformed_records_is_counted_and_the_good_ones_kept(tmp_path, tiny_tokenizer):
     from data.prepare import run_prepare
-    from eagle3.manifest import read_manifest
+    from eagle3.formats.manifest import read_manifest
     from tests.fixtures.prepare import GOOD, conv, prepare_config
 
     src = tmp_path / "bad.jsonl"
@@ -111,7 +111,7 @@ def test_export_refuses_a_capture_from_another_target(pipeline, tmp_path):
 def reindex(drafter_dir):
     """Re-write final/checkpoint.json after editing a file: a checkpoint a trainer wrote this way
     (so the checksums hold and the export's own validation is what must catch the problem)."""
-    from eagle3.checkpoints import INDEX_FILE, write_file_index
+    from eagle3.formats.checkpoints import INDEX_FILE, write_file_index
 
     write_file_index(drafter_dir, json.loads((drafter_dir / INDEX_FILE).read_text())["step"])
 
@@ -133,8 +133,8 @@ def test_export_refuses_out_of_range_aux_ids(pipeline, tmp_path):
 
 
 def test_export_refuses_a_drafter_for_another_vocab(pipeline, tmp_path):
-    from eagle3.drafter_io import load_drafter_dir, save_drafter_dir
-    from eagle3.model import Eagle3Drafter
+    from eagle3.drafter.drafter_io import load_drafter_dir, save_drafter_dir
+    from eagle3.drafter.model import Eagle3Drafter
     from export.stage import ExportError, run_export
 
     m = load_drafter_dir(pipeline["final"])
@@ -189,8 +189,8 @@ def test_training_refuses_an_inconsistent_vocab_mapping(pipeline, tmp_path):
 
 
 def test_eval_refuses_a_drafter_reading_other_layers_and_an_empty_split(pipeline, tmp_path):
-    from eagle3.drafter_io import load_drafter_dir
-    from eagle3.store import HiddenStateStore, HiddenStateWriter
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
     from eagle3.replay.evaluate import EvalInputError, evaluate_drafter
 
     model = load_drafter_dir(pipeline["final"], dtype=torch.float32)
@@ -205,7 +205,7 @@ def test_eval_refuses_a_drafter_reading_other_layers_and_an_empty_split(pipeline
 
 
 def test_store_writer_refuses_non_finite_states_naming_the_sequence(tmp_path):
-    from eagle3.store import NonFiniteHiddenStateError
+    from eagle3.formats.store import NonFiniteHiddenStateError
 
     with pytest.raises(NonFiniteHiddenStateError, match=r"sequence 'v0': non-finite values in 'aux'"):
         write_store(tmp_path / "s", hidden=8, hf_indices=[2, 3, 4], nan_in="aux")
@@ -218,7 +218,7 @@ def test_a_server_reply_that_is_not_encodable_fails_only_its_conversation(tmp_pa
     one prompt: that conversation is `regen_failed` (named), the others are regenerated and kept."""
     from data.openai_server import ChatServer, echo_generate
     from data.prepare import run_prepare
-    from eagle3.manifest import read_manifest
+    from eagle3.formats.manifest import read_manifest
     from tests.fixtures.prepare import GOOD, conv, prepare_config, write_jsonl
 
     def generate(messages, *args):

@@ -28,7 +28,7 @@ def flaky_config(tmp_path, target, url, *extra):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_twenty_percent_failures_and_slow_replies_lose_and_duplicate_nothing(tmp_path, tiny_k25_target, served, seed):
     from data.prepare import run_prepare
-    from eagle3.manifest import read_manifest
+    from eagle3.formats.manifest import read_manifest
 
     assert abs(sum(FAULTS.values()) - 0.20) < 1e-9
     reset_server(served, FaultPlan(rates={**FAULTS, "slow": 0.10}, slow_s=0.05, hang_s=10.0, seed=seed))
@@ -46,7 +46,7 @@ def test_twenty_percent_failures_and_slow_replies_lose_and_duplicate_nothing(tmp
 
 def test_failures_are_counted_by_kind(tmp_path, tiny_k25_target, served):
     from data.prepare import run_prepare
-    from eagle3.manifest import read_manifest
+    from eagle3.formats.manifest import read_manifest
 
     reset_server(served, FaultPlan(script=["500", "reset", "malformed", "429"]))
     m = read_manifest(run_prepare(flaky_config(tmp_path, tiny_k25_target, served.url)), "prepare")
@@ -80,8 +80,8 @@ def test_killed_regeneration_resumes_without_duplicates_or_losses(tmp_path, tiny
                 "regenerate.openai.concurrency=1", "regenerate.openai.timeout_s=8.0", "regenerate.openai.max_retries=6",
                 "regenerate.openai.backoff_s=0.01", "regenerate.openai.backoff_max_s=0.05"]
 
-    from eagle3.conf import compose, to_schema
-    from eagle3.schema.prepare import PrepareConfig
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.prepare import PrepareConfig
 
     def config(root):
         return to_schema(compose("prepare", overrides(root)), PrepareConfig)

@@ -37,7 +37,7 @@ def test_truncated_shard_is_named_by_training_and_export(pipeline, tmp_path):
 
 
 def test_bit_flipped_shard_is_named_when_hashes_are_checked(pipeline, tmp_path):
-    from eagle3.store import HiddenStateStore, StoreError
+    from eagle3.formats.store import HiddenStateStore, StoreError
     from train.inputs import TrainInputError, open_inputs
 
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
@@ -79,7 +79,7 @@ def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_p
     """The disk fills while a shard is being written (a real EFBIG from the kernel, partway through the
     file): the partial temp file is never listed, a reader sees only finished shards, a consumer refuses
     the unfinished store, and reopening the writer redoes exactly the lost sequences."""
-    from eagle3.store import HiddenStateStore, HiddenStateWriter, StoreError
+    from eagle3.formats.store import HiddenStateStore, HiddenStateWriter, StoreError
 
     lengths = [8] * 6 + [60] * 3          # small shards first, then shards too big for the "disk"
 
@@ -117,7 +117,7 @@ def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_p
 # ------------------------------------------------------------------ checkpoints and drafter dirs
 
 def test_truncated_or_flipped_training_checkpoint_is_refused_on_resume(pipeline, tmp_path):
-    from eagle3.checkpoints import CheckpointError
+    from eagle3.formats.checkpoints import CheckpointError
     from train.loop import run_train
 
     out = copy_tree(pipeline["train_out"], tmp_path / "train")
@@ -130,7 +130,7 @@ def test_truncated_or_flipped_training_checkpoint_is_refused_on_resume(pipeline,
 
 
 def test_truncated_drafter_dir_is_named_by_the_loader(pipeline, tmp_path):
-    from eagle3.drafter_io import DrafterLoadError, load_drafter_dir
+    from eagle3.drafter.drafter_io import DrafterLoadError, load_drafter_dir
 
     d = copy_tree(pipeline["final"], tmp_path / "final")
     truncate(d / "model.safetensors", 0.9)
@@ -213,13 +213,13 @@ def test_disk_full_during_a_training_checkpoint_loses_nothing_finished(pipeline,
     """A checkpoint write fails partway (EFBIG): no step directory is half there, and the same command
     with space back resumes from the last complete checkpoint to the uninterrupted run's weights."""
     from safetensors.torch import load_file
-    from eagle3.checkpoints import list_checkpoints
+    from eagle3.formats.checkpoints import list_checkpoints
     from train.loop import run_train
 
     ref = run_train(train_config(pipeline, tmp_path / "ref", max_steps=6))
     state = sorted((Path(ref) / "checkpoints").iterdir())[0] / "training_state.pt"
     out = tmp_path / "full"
-    from eagle3.checkpoints import CheckpointError
+    from eagle3.formats.checkpoints import CheckpointError
 
     # RELIABILITY.md F4 (fixed): the failed write is named, with its likely cause
     with file_size_limit(state.stat().st_size // 2), pytest.raises(CheckpointError, match=r"step-\d+.*disk full"):

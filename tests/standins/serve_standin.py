@@ -1,5 +1,5 @@
 """Stand-ins for a live SGLang or vLLM server (neither engine runs on the project's machines), speaking
-the protocol of eagle3/serve_protocol.py with each version's field names, for `make bench-serve`.
+the protocol of eagle3/engines/serve_protocol.py with each version's field names, for `make bench-serve`.
 
 The model side really decodes: the baseline is the target's greedy decode, a speculative server runs
 the target with the drafter through the eval stage's real loop (eagle3/real_loop/chain.py, tree.py),
@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from data.openai_server import FaultPlan, _QuietServer
-from eagle3 import serve_protocol as sp
-from eagle3.accept_sim import SpecKnobs
+from eagle3.engines import serve_protocol as sp
+from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.real_loop.chain import greedy_decode, speculative_decode
 from eagle3.real_loop.tree import tree_speculative_decode
 

@@ -1,5 +1,5 @@
 """A stand-in for vLLM's hidden-state extraction (vLLM cannot run on the project's machines), built on
-the HF mini targets and speaking the protocol of eagle3/vllm_protocol.py (vLLM 0.34.0's facts):
+the HF mini targets and speaking the protocol of eagle3/engines/vllm_protocol.py (vLLM 0.34.0's facts):
 
 - `StandinEngine`: what the engine does per request. Listed ids are read as vLLM's DeepSeek-V2 model
   reads them (id = h: the residual stream entering layer id; id = L the last layer's output before the
@@ -10,10 +10,10 @@ the HF mini targets and speaking the protocol of eagle3/vllm_protocol.py (vLLM 0
   max_tokens 1, return_token_ids, kv_transfer_params in the reply), started from the argv of the exact
   `vllm serve ...` line the backend prints (`StandinServer.from_command`), so that line is checked too.
 - `fake_vllm_module()`: a module with `LLM` / `SamplingParams` for the in-process engine.
-- Image prompts (eagle3/vllm_images.py's facts): /v1/chat/completions and `LLM.chat` render the messages the
+- Image prompts (eagle3/engines/vllm_images.py's facts): /v1/chat/completions and `LLM.chat` render the messages the
   way vLLM does for a "string"-content template (text parts joined by "\n", placeholders missing from the
   text put in front, a request chat template refused without --trust-request-chat-template), tokenize
-  without special tokens, expand each `<|media_pad|>` by the image rule (eagle3/images.py, what K2.5's
+  without special tokens, expand each `<|media_pad|>` by the image rule (eagle3/target_model/images.py, what K2.5's
   processor computes), run the multimodal forward (vision tower, fused embeddings, text model) and return the
   expanded `prompt_token_ids`; an image that does not decode is a 400.
 
@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from data.openai_server import _QuietServer
-from eagle3 import target_io, vllm_protocol
+from eagle3.target_model import target_io
+from eagle3.engines import vllm_protocol
 
 
 @dataclass
@@ -119,7 +120,8 @@ class StandinEngine:
         return str(path), greedy
 
     def _fused(self, x: torch.Tensor, images: list) -> torch.Tensor:
-        from eagle3 import images as rule, target_images
+        from eagle3.target_model import images as rule
+        from eagle3.target_model import target_images
 
         pv, thw = rule.preprocess_many(images)
         features = target_images.image_features(self.model, torch.from_numpy(pv), torch.from_numpy(thw))
@@ -132,7 +134,8 @@ class StandinEngine:
         """A chat request (the HTTP body or LLM.chat's arguments): (file, greedy token, the engine's prompt ids)."""
         from transformers import AutoTokenizer
 
-        from eagle3 import images as rule, vllm_images
+        from eagle3.target_model import images as rule
+        from eagle3.engines import vllm_images
 
         template = body.get("chat_template")
         if template is not None and not trust_request_chat_template:
