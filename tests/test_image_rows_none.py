@@ -121,3 +121,21 @@ def test_eval_refuses_fused_and_runs_placeholder_with_text_prompts_in_the_real_l
     assert report["image_embeddings"] == "placeholder" and report["by_traffic"]["image"]["sequences"] == 1
     assert any("real loop on text prompts only" in w for w in report["warnings"])
     assert report["real_loop"]["knobs"] and all(r["lossless"] for r in report["real_loop"]["knobs"].values())
+
+
+def test_the_replay_itself_refuses_fused_on_it(blind_eval_world):
+    """The study and the A/B call the replay without the eval stage: the refusal lives in evaluate_drafter."""
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.replay.accept_sim import SpecKnobs
+    from eagle3.replay.evaluate import evaluate_drafter
+
+    root, drafter_dir = blind_eval_world
+    store = HiddenStateStore(root / "capture" / "validation")
+    drafter = load_drafter_dir(drafter_dir, dtype="float32").eval()
+    knobs = [SpecKnobs(num_steps=2, topk=1, num_draft_tokens=3)]
+    with pytest.raises(EvalInputError, match=r"image_rows='none'.*image_embeddings=placeholder"):
+        evaluate_drafter(drafter, store, knobs=knobs, ttt_length=2, ngram=None, progress=False,
+                         image_embeddings="fused")
+    rep = evaluate_drafter(drafter, store, knobs=knobs, ttt_length=2, ngram=None, progress=False,
+                           image_embeddings="placeholder")
+    assert rep["image_embeddings"] == "placeholder" and rep["by_traffic"]["image"]["sequences"] == 1

@@ -22,7 +22,7 @@ from eagle3.replay.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree,
                                       replay_sequence)
 from eagle3.replay.cost_model import accept_length_from_acceptance
 from eagle3.errors import StageError
-from eagle3.drafter.image_embeddings import token_embeddings
+from eagle3.drafter.image_embeddings import rows_problem, token_embeddings
 from eagle3.ttt.loss import loss_positions, shift_left
 from eagle3.replay.ngram import PromptLookup
 from eagle3.replay.drafter_session import SequenceDrafter
@@ -245,6 +245,8 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
     problems = drafter_store_problems(model, store)
     if problems:
         raise EvalInputError("drafter and validation store do not fit:\n  - " + "\n  - ".join(problems))
+    if problem := rows_problem(image_embeddings, store):  # every caller (eval stage, study, A/B) passes here
+        raise EvalInputError(problem)
     was_training = model.training
     model.eval()
     try:
