@@ -94,11 +94,25 @@ class BatchSampler:
         return idx
 
 
+def _read_losses(pending: list, losses: list, step: int, desc: str) -> None:
+    """Move the device losses of the last steps to `losses` (one host sync) and refuse a non-finite one."""
+    values = torch.stack(pending).tolist()
+    first = len(losses)
+    losses.extend(values)
+    pending.clear()
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise FloatingPointError(f"{desc}: loss became {v} at step {first + i} (found at step {step}); "
+                                     "lower the lr")
+
+
 def optimise(model, cfg, loss_at, *, desc: str, device: torch.device = torch.device("cpu"),
-             lr_scale: Optional[Callable[[str], float]] = None) -> dict:
+             lr_scale: Optional[Callable[[str], float]] = None, check_every: int = 20) -> dict:
     """AdamW (decay on matrices only) with warmup + cosine decay for `cfg.steps` steps of `loss_at(step)`
     (a scalar loss of the model on `device`); the model ends on the CPU in eval mode. `lr_scale(name)`: a
-    parameter's learning rate as a multiple of the schedule's (default 1)."""
+    parameter's learning rate as a multiple of the schedule's (default 1). The losses stay on the device and
+    are read every `check_every` steps (a host sync per step would stall a GPU that small steps keep
+    launch-bound); a non-finite loss fails the run at the next read, naming its step."""
     model.to(device)
     groups: dict[tuple, list] = {}
     for n, p in model.named_parameters():
@@ -106,7 +120,8 @@ def optimise(model, cfg, loss_at, *, desc: str, device: torch.device = torch.dev
             groups.setdefault((p.ndim >= 2, lr_scale(n) if lr_scale else 1.0), []).append(p)
     opt = torch.optim.AdamW([{"params": ps, "weight_decay": cfg.weight_decay if decays else 0.0, "scale": scale}
                              for (decays, scale), ps in groups.items()], lr=cfg.lr, betas=(0.9, 0.95))
-    losses = []
+    pending: list[torch.Tensor] = []  # this stretch's losses, on the device (read every `check_every` steps)
+    losses: list[float] = []
     model.train()
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
     for step in bar:
@@ -114,14 +129,14 @@ def optimise(model, cfg, loss_at, *, desc: str, device: torch.device = torch.dev
         for group in opt.param_groups:
             group["lr"] = lr * group["scale"]
         loss = loss_at(step)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}; lower the lr")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        pending.append(loss.detach())
+        if len(pending) == check_every or step == cfg.steps - 1:
+            _read_losses(pending, losses, step, desc)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval().to("cpu")
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": cfg.steps, "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}

@@ -21,10 +21,9 @@ from data.mini_world import checkpoints as ck
 from data.mini_world import scenes
 from data.mini_world.lm import BatchSampler, optimise, pack_blocks, resolve_device
 from data.mini_world.tokenizer import IM_END
+from data.mini_world.vision_step import IGNORE, JointStep  # noqa: F401 (IGNORE: the labels' fill, re-exported)
 from eagle3.target_model import images as img_rule
 from eagle3.target_model.media_tokens import MEDIA_PAD, user_content
-
-IGNORE = -100
 
 
 @dataclass
@@ -137,19 +136,12 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
     images = BatchSampler(len(pool), min(t.batch_size, len(pool)), seed)
     texts = BatchSampler(len(text_blocks), min(cfg.text_batch_size, len(text_blocks)), seed + 1) \
         if cfg.text_batch_size and len(text_blocks) else None
-    image_losses: list[float] = []
-
-    def loss_at(step: int) -> torch.Tensor:
-        batch = collate([pool[i] for i in images.next().tolist()], tok.pad_token_id)
-        loss = wrapper(**{k: v.to(device) for k, v in batch.items()}).loss
-        image_losses.append(loss.item())
-        if texts is not None:
-            blocks = text_blocks[texts.next()].to(device)
-            loss = loss + wrapper(input_ids=blocks, labels=blocks).loss
-        return loss
-
-    stats = optimise(wrapper, t, loss_at, desc=f"k25-mini vision ({device.type})", device=device,
+    # the pool on the device once, the tower's index tensors once, no host sync per step: the same numbers as
+    # wrapper(**collate(batch)) + the text blocks' loss (data/mini_world/vision_step.py, tests/test_vision_step.py)
+    step = JointStep(wrapper, pool, text_blocks, tok.pad_token_id, images, texts, device)
+    stats = optimise(wrapper, t, step, desc=f"k25-mini vision ({device.type})", device=device,
                      lr_scale=lambda name: cfg.vision_lr_scale if is_vision_param(name) else 1.0)
+    image_losses = step.image_losses()
     tail = image_losses[-max(1, len(image_losses) // 10):]
     return {**stats, "image_examples": t.steps * t.batch_size, "first_image_loss": image_losses[0],
             "final_image_loss": sum(tail) / len(tail)}
