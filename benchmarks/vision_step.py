@@ -8,12 +8,13 @@ the LM is the ci world's (hidden 32, vocab 512) unless `--lm cpu` (hidden 128) o
 own, hidden 512 for gpu), so it runs in seconds on a CPU: the per-step overhead under study (aten ops dispatched,
 host syncs, Python loops) does not depend on the LM's width.
 
-Prints, per step path, ms per step and the per-step count of aten ops, host syncs (`aten::_local_scalar_dense`)
-and Python-level loops' cost, then a phase table (each phase timed alone, synchronised on CUDA) and, with
+Prints, per step path, ms per step and the per-step count of aten ops (each a kernel launch or a view on
+CUDA: a step of small kernels is bound by how many it launches) and host syncs (scalar reads, less the CPU-only
+ones of CPU_ONLY_READS), then a phase table (each phase timed alone, synchronised on CUDA) and, with
 `--profile`, torch.profiler's top ops and cProfile's top Python functions.
 
 Paths: `baseline` = the loop as it was before the vision-step work (collate per step, the wrapper's own
-multimodal forward, `loss.item()` twice per step); `world` = data/mini_world/vision.py's step as the world runs
+multimodal forward, `loss.item()` twice per step, deterministic mode's NaN fill of new tensors on); `world` = data/mini_world/vision.py's step as the world runs
 it now. Both draw the same batches in the same order; the script checks their losses are identical.
 
     python benchmarks/vision_step.py                           # CPU, gpu preset's vision, CPU LM
@@ -127,6 +128,10 @@ def run_path(name: str, wrapper, tok, pool, blocks, cfg, device, steps: int, war
     images = BatchSampler(len(pool), min(v.train.batch_size, len(pool)), 3)
     texts = BatchSampler(len(blocks), min(v.text_batch_size, len(blocks)), 4)
     record: list = []
+    # the baseline as it ran: deterministic mode's NaN fill of every new tensor on (eagle3/world.py turns it off now)
+    fill, torch.utils.deterministic.fill_uninitialized_memory = (
+        torch.utils.deterministic.fill_uninitialized_memory, name == "baseline" and torch.are_deterministic_algorithms_enabled()
+        or torch.utils.deterministic.fill_uninitialized_memory)
     if name == "world":
         step_loss = JointStep(model, pool, blocks, tok.pad_token_id, images, texts, device)
         totals: list = []
@@ -164,6 +169,7 @@ def run_path(name: str, wrapper, tok, pool, blocks, cfg, device, steps: int, war
             raise FloatingPointError(f"{name}: loss not finite at step {step}")
     if name == "world":
         record = [x for pair in zip(step_loss.image_losses(), torch.stack(totals).tolist()) for x in pair]
+    torch.utils.deterministic.fill_uninitialized_memory = fill
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"path": name, "ms_per_step": 1000 * statistics.median(times), "min_ms": 1000 * min(times), **counts,
             "losses": record, "weights_checksum": checksum}
@@ -184,10 +190,27 @@ def op_counts(fn) -> dict:
     return _counts(prof)
 
 
+# scalar reads that are not device syncs on CUDA: torch._grouped_mm's CPU path reads its offsets, the
+# single-tensor AdamW of a CPU run reads its step counters (on CUDA both stay on the device or the host)
+CPU_ONLY_READS = ("aten::_grouped_mm", "Optimizer.step")
+
+
+def _is_host_sync(event) -> bool:
+    """A scalar read (`aten::_local_scalar_dense`, i.e. `.item()`, `bool(t)`, `.tolist()`) outside CPU_ONLY_READS."""
+    if event.name != "aten::_local_scalar_dense":
+        return False
+    p = event.cpu_parent
+    while p is not None:
+        if any(k in p.name for k in CPU_ONLY_READS):
+            return False
+        p = p.cpu_parent
+    return True
+
+
 def _counts(prof) -> dict:
     ev = prof.key_averages()
     return {"aten_ops": sum(e.count for e in ev if e.key.startswith("aten::")),
-            "host_syncs": sum(e.count for e in ev if e.key == "aten::_local_scalar_dense"),
+            "host_syncs": sum(_is_host_sync(e) for e in prof.events()),
             "nonzero": sum(e.count for e in ev if e.key == "aten::nonzero"),
             "sdpa_calls": sum(e.count for e in ev if e.key == "aten::scaled_dot_product_attention")}
 
@@ -245,16 +268,16 @@ def phases(wrapper, tok, pool, blocks, cfg, device, reps: int) -> list[tuple[str
              ("text blocks: LM + loss (fwd)", text), ("backward (both)", backward), ("clip + AdamW", optimizer)]
     times: dict[str, list] = {n: [] for n, _ in order}
     counts: dict[str, dict] = {}
-    for r in range(reps + 1):
+    for r in range(reps + 2):  # a warm-up pass, a counted pass (profiler overhead kept out), `reps` timed passes
         for n, fn in order:
             sync(device)
             t0 = time.perf_counter()
-            if r == 1 and n not in counts:  # one counted pass (profiler overhead kept out of the timings)
+            if r == 1:
                 counts[n] = op_counts(fn)
                 continue
             fn()
             sync(device)
-            if r > 0:
+            if r > 1:
                 times[n].append(time.perf_counter() - t0)
     return [(n, 1000 * statistics.median(times[n]), counts[n]) for n, _ in order]
 
@@ -298,7 +321,7 @@ def main(argv=None) -> None:
                   f"{a['aten_ops'] / b['aten_ops']:.2f}x aten ops, {a['host_syncs']} -> {b['host_syncs']} syncs; "
                   f"losses and weights identical: {same}")
         table = phases(wrapper, tok, pool, blocks, cfg, device, reps=max(1, args.steps))
-        print(f"\n{'phase (one joint step, each timed alone)':40s} {'ms':>8s} {'aten ops':>9s} {'syncs':>6s} {'sdpa':>5s}")
+        print(f"\n{'baseline step, each part timed alone':40s} {'ms':>8s} {'aten ops':>9s} {'syncs':>6s} {'sdpa':>5s}")
         for n, ms, c in table:
             print(f"{n:40s} {ms:8.1f} {c['aten_ops']:9d} {c['host_syncs']:6d} {c['sdpa_calls']:5d}")
         print(f"{'sum':40s} {sum(ms for _, ms, _ in table):8.1f} {sum(c['aten_ops'] for *_, c in table):9d} "

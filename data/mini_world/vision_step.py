@@ -103,11 +103,15 @@ class JointStep:
         out = m.vision_tower(pixel_values, grid_thw=grid_thw.to(self.device), **pre)
         return m.mm_projector(out.pooler_output).squeeze(1)
 
-    def fused_embeddings(self, ids: torch.Tensor, image_rows: torch.Tensor) -> torch.Tensor:
-        """`Kimi_K25Model.forward`'s inputs_embeds: placeholder ids embedded as id 0, then replaced in order
-        by the image rows."""
+    def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """`Kimi_K25Model.forward`'s embedding of `ids`, placeholder ids as id 0 (its `ids[mask] = 0` syncs)."""
         placeholders = (ids == self.image_token_id) | (ids == self.video_token_id)
-        emb = self.wrapper.model.get_input_embeddings()(ids.masked_fill(placeholders, 0))
+        return self.wrapper.model.get_input_embeddings()(ids.masked_fill(placeholders, 0))
+
+    def fused_embeddings(self, ids: torch.Tensor, image_rows: torch.Tensor) -> torch.Tensor:
+        """`Kimi_K25Model.forward`'s inputs_embeds: the token embeddings, the image placeholders replaced in
+        order by the image rows."""
+        emb = self.token_embeddings(ids)
         image_mask = (ids == self.image_token_id).unsqueeze(-1)
         return emb.masked_scatter(image_mask, image_rows.to(emb.dtype))
 
@@ -121,7 +125,7 @@ class JointStep:
         self._image_losses.append(loss.detach())
         if self.texts is not None:
             blocks = self.text_blocks[self.texts.next().to(self.device)]
-            loss = loss + self.wrapper(input_ids=blocks, labels=blocks).loss
+            loss = loss + self.wrapper(inputs_embeds=self.token_embeddings(blocks), labels=blocks).loss
         return loss
 
     def image_losses(self) -> list[float]:
