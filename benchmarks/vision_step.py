@@ -14,7 +14,7 @@ ones of CPU_ONLY_READS), then a phase table (each phase timed alone, synchronise
 `--profile`, torch.profiler's top ops and cProfile's top Python functions.
 
 Paths: `baseline` = the loop as it was before the vision-step work (collate per step, the wrapper's own
-multimodal forward, `loss.item()` twice per step, deterministic mode's NaN fill of new tensors on); `world` = data/mini_world/vision.py's step as the world runs
+multimodal forward, `loss.item()` twice per step); `world` = data/mini_world/vision.py's step as the world runs
 it now. Both draw the same batches in the same order; the script checks their losses are identical.
 
     python benchmarks/vision_step.py                           # CPU, gpu preset's vision, CPU LM
@@ -128,10 +128,6 @@ def run_path(name: str, wrapper, tok, pool, blocks, cfg, device, steps: int, war
     images = BatchSampler(len(pool), min(v.train.batch_size, len(pool)), 3)
     texts = BatchSampler(len(blocks), min(v.text_batch_size, len(blocks)), 4)
     record: list = []
-    # the baseline as it ran: deterministic mode's NaN fill of every new tensor on (eagle3/world.py turns it off now)
-    fill, torch.utils.deterministic.fill_uninitialized_memory = (
-        torch.utils.deterministic.fill_uninitialized_memory, name == "baseline" and torch.are_deterministic_algorithms_enabled()
-        or torch.utils.deterministic.fill_uninitialized_memory)
     if name == "world":
         step_loss = JointStep(model, pool, blocks, tok.pad_token_id, images, texts, device)
         totals: list = []
@@ -169,7 +165,6 @@ def run_path(name: str, wrapper, tok, pool, blocks, cfg, device, steps: int, war
             raise FloatingPointError(f"{name}: loss not finite at step {step}")
     if name == "world":
         record = [x for pair in zip(step_loss.image_losses(), torch.stack(totals).tolist()) for x in pair]
-    torch.utils.deterministic.fill_uninitialized_memory = fill
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"path": name, "ms_per_step": 1000 * statistics.median(times), "min_ms": 1000 * min(times), **counts,
             "losses": record, "weights_checksum": checksum}

@@ -155,15 +155,13 @@ def deterministic_algorithms(record: list[str]) -> Iterator[None]:
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    fill = torch.utils.deterministic
     prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, fill.fill_uninitialized_memory)
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    # deterministic mode also fills every new uninitialized tensor (torch.empty & co) with NaN: one extra kernel
-    # per allocation (~10% of a mini-world training step's ops, benchmarks/vision_step.py) guarding against ops
-    # that read memory they did not write, which no op of the builds does (same weights with and without)
-    fill.fill_uninitialized_memory = False
+    # torch's NaN fill of new uninitialized tensors stays on (deterministic mode's default): it costs one kernel per
+    # allocation (~10% of a joint vision step's ops, benchmarks/vision_step.py) but turns a read of memory nobody
+    # wrote into a NaN that fails the build, where without it the same bug would change bits from run to run
     caught: list = []
     try:
         with warnings.catch_warnings(record=True) as caught, deterministic_attention():
@@ -172,7 +170,6 @@ def deterministic_algorithms(record: list[str]) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[2], prev[3]
-        fill.fill_uninitialized_memory = prev[4]
         for w in caught:
             msg = str(w.message)
             m = _NONDETERMINISTIC.match(msg) or _DEFAULTS_NONDETERMINISTIC.match(msg)
