@@ -18,7 +18,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from eagle3.formats.manifest import atomic_write_bytes  # noqa: E402
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
+    """Lay out, write atomically (PNG, 110 dpi) and close `fig`; every plot of eval/ goes through here."""
     import io
 
     buf = io.BytesIO()
@@ -43,7 +44,7 @@ def plot_accuracy_per_step(accuracy: dict, path: Path) -> Optional[Path]:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax.set_title("Validation accuracy per TTT step")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_accept_histograms(accept: dict, path: Path) -> Optional[Path]:
@@ -62,7 +63,7 @@ def plot_accept_histograms(accept: dict, path: Path) -> Optional[Path]:
         ax.set_xlabel("tokens emitted per verify cycle")
         ax.set_ylabel("share of cycles")
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_acceptance_by_position(accept: dict, path: Path) -> Optional[Path]:
@@ -80,7 +81,7 @@ def plot_acceptance_by_position(accept: dict, path: Path) -> Optional[Path]:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
     ax.set_title("Acceptance by draft position")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def read_training_curve(train_dir: Optional[str | Path]) -> dict[str, list[tuple[int, float]]]:
@@ -125,7 +126,7 @@ def plot_training_curve(train_dir: Optional[str | Path], path: Path) -> Optional
         ax.set_xlabel("training step")
         if ax.lines:
             ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def write_plots(report: dict, out_dir: Path, train_dir: Optional[str | Path] = None) -> dict[str, str]:

@@ -142,9 +142,7 @@ def render(report: dict) -> str:
 
 
 def write_plots(report: dict, out_dir: Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from eval.plots import save_png  # first: it selects the Agg backend
     import matplotlib.pyplot as plt
 
     plots = {}
@@ -162,10 +160,7 @@ def write_plots(report: dict, out_dir: Path) -> dict:
         ax.set_xticks(list(xs), [s["label"] for _, s in rows])
         ax.set_ylabel("decode tok/s")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "tok_s_measured_vs_predicted.png")
-        plt.close(fig)
-        plots["tok_s"] = "tok_s_measured_vs_predicted.png"
+        plots["tok_s"] = save_png(fig, out_dir / "tok_s_measured_vs_predicted.png").name
     cmp_ = report.get("compare") or {}
     if cmp_:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -176,10 +171,7 @@ def write_plots(report: dict, out_dir: Path) -> dict:
         ax.set_xlabel("draft position")
         ax.set_ylabel("P(accepted)")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "acceptance_by_position.png")
-        plt.close(fig)
-        plots["acceptance_by_position"] = "acceptance_by_position.png"
+        plots["acceptance_by_position"] = save_png(fig, out_dir / "acceptance_by_position.png").name
     return plots
 
 
