@@ -66,7 +66,33 @@ class FaultPlan:
         return "ok"
 
 
-class ChatServer:
+class LocalServer:
+    """A local HTTP server on its own thread (one thread per request): `.start()`, `.stop()` or `with`. The
+    chat server below and the test stand-in of a serving engine (tests/standins/serve_standin.py) extend it;
+    `_stopping` wakes handlers that hang or are slow on purpose."""
+
+    def __init__(self, handler: type, host: str = "127.0.0.1", port: int = 0):
+        self._stopping = threading.Event()
+        self.httpd = _QuietServer((host, port), handler)
+        self.httpd.daemon_threads = True
+
+    def start(self):
+        threading.Thread(target=self.httpd.serve_forever, name=type(self).__name__, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class ChatServer(LocalServer):
     """`ChatServer(generate).start()`; `.url` is the `/v1` base URL; `.stop()` (or `with`)."""
 
     def __init__(self, generate: GenerateFn, host: str = "127.0.0.1", port: int = 0,
@@ -76,31 +102,12 @@ class ChatServer:
         self._count = 0
         self._lock = threading.Lock()  # request numbering
         self._gen_lock = threading.Lock()  # one generation at a time
-        self._stopping = threading.Event()
-        self.httpd = _QuietServer((host, port), _make_handler(self))
-        self.httpd.daemon_threads = True
-        self._thread: Optional[threading.Thread] = None
+        super().__init__(_make_handler(self), host, port)
 
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}/v1"
-
-    def start(self) -> "ChatServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="chat-server", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopping.set()  # wakes handlers that hang or are slow
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
     def next_action(self) -> tuple[int, str]:
         with self._lock:

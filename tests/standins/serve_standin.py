@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from data.openai_server import FaultPlan, _QuietServer
+from data.openai_server import FaultPlan, LocalServer
 from eagle3.engines import serve_protocol as sp
 from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.real_loop.chain import greedy_decode, speculative_decode
@@ -96,7 +96,7 @@ class Totals:
     per_pos: list = field(default_factory=list)
 
 
-class StandinServer:
+class StandinServer(LocalServer):
     """`StandinServer(engine, model_side, version=...).start()`; `.url`; `.stop()` (or `with`)."""
 
     def __init__(self, engine: str, model: ModelSide, version: Optional[str] = None, model_path: str = "k25-mini",
@@ -109,28 +109,11 @@ class StandinServer:
         depth = model.knobs.max_depth if model.speculative else 0
         self.totals.per_pos = [0] * depth
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self.httpd = _QuietServer(("127.0.0.1", port), _handler(self))
-        self.httpd.daemon_threads = True
+        super().__init__(_handler(self), "127.0.0.1", port)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def start(self) -> "StandinServer":
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
     # --- what the engine says ---------------------------------------------------------------------
     def server_info(self) -> dict:
