@@ -12,8 +12,9 @@ import json
 import math
 from pathlib import Path
 
+from eagle3.drafter.image_embeddings import CONVENTIONS
+
 NAN = float("nan")
-CONVENTIONS = ("fused", "placeholder")
 MISMATCH_INIT = "aqmedai_k2"  # the init the mismatch grid trains (the account's question: from the K2 drafter)
 
 

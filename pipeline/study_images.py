@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.formats.manifest import atomic_write_json, sha256_file
-from pipeline.image_traffic import CONVENTIONS, MISMATCH_INIT
+from pipeline.image_traffic import CONVENTIONS, MISMATCH_INIT, image_sequences, traffic_tau
 from pipeline.study_stats import mean_std
 
 MISMATCH = "mismatch"
@@ -24,12 +24,10 @@ TRAFFIC = ("text", "image")
 def traffic_metrics(report: dict) -> dict:
     """{"tau_text": {label: tau}, "tau_image": {label: tau}, "image_sequences": n} of an evaluate_drafter
     report (NaN for a traffic the split does not hold)."""
-    parts = report.get("by_traffic") or {}
-    out: dict = {"image_sequences": int((parts.get("image") or {}).get("sequences") or 0)}
+    out: dict = {"image_sequences": image_sequences(report)}
     for tr in TRAFFIC:
-        part = parts.get(tr) or {}
-        out[f"tau_{tr}"] = {label: (e["drafter"]["accept_length"] if part.get("sequences") else float("nan"))
-                            for label, e in (part.get("accept") or {}).items()}
+        labels = (((report.get("by_traffic") or {}).get(tr) or {}).get("accept") or {})
+        out[f"tau_{tr}"] = {label: traffic_tau(report, label, tr) for label in labels}
     return out
 
 
