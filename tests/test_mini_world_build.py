@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from data.corpus import iter_raw_records
-from data.mini_world.build import run_mini_world
+from data.mini_world import scenes
+from data.mini_world.build import format_report, run_mini_world
 from eagle3.config.conf import compose, to_schema
 from eagle3.formats.manifest import read_manifest
 from eagle3.config.schema.mini_world import MiniWorldConfig
@@ -82,6 +83,9 @@ def test_tiny_world_report_and_training_happened(tiny_world):
     seeing = r["models"]["k25-mini"]["train"]["vision"]
     assert seeing["steps"] == 4 and seeing["image_examples"] == 16
     assert r["vision"]["held_out_answers"]["scenes"] == 12 and r["vision"]["corpus_image_conversations"] == 3
+    by_kind = r["vision"]["held_out_answers"]["by_kind"]
+    assert set(by_kind) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in by_kind.values())
+    assert "exactly right, by question: caption" in format_report(r)
     assert 0 < r["token_shift"]["total_variation"] < 1
     assert set(r["times_s"]) >= {"tokenizer", "k2-mini", "k25-mini", "perplexity", "total"}
     m = read_manifest(out, "mini_world")

@@ -380,6 +380,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  k25-mini sees {r['vision']['image_size']}px images ({r['vision']['vision_params'] / 1e6:.3f}M "
                      f"vision params); captions of {h['scenes']} held-out scenes: {h['exact']} exact, {h['distinct']} "
                      f"distinct; {r['vision']['corpus_image_conversations']} image conversations in the K2.5 corpus")
+        if "by_kind" in h:  # worlds built before the per-question check have the caption figures only
+            lines.append("  k25-mini's held-out answers exactly right, by question: "
+                         + ", ".join(f"{k} {v:.0%}" for k, v in h["by_kind"].items()))
     lines.append("  weights: " + ", ".join(f"{n} {fp}" for n, fp in r.get("weights", {}).items())
                  + f"; {r.get('determinism', {}).get('note', '')}")
     lines.append("  times (s): " + ", ".join(f"{k} {v}" for k, v in r["times_s"].items()))
