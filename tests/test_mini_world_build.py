@@ -7,6 +7,7 @@ import torch
 
 from data.corpus import iter_raw_records
 from data.mini_world import scenes
+from data.mini_world import vision as eyes
 from data.mini_world.build import format_report, run_mini_world
 from eagle3.config.conf import compose, to_schema
 from eagle3.formats.manifest import read_manifest
@@ -192,3 +193,30 @@ def test_seeing_k25_mini_is_captured_as_its_hf_multimodal_forward(tiny_world):
         assert int(is_image.sum()) == 4 * len(row["images"])  # 56-pixel scenes: 4 <|media_pad|> rows each
         torch.testing.assert_close(rec["image_embeds"], hs[0][0][is_image], rtol=1e-5, atol=1e-5)
     assert seen == 3
+
+
+def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny_world, tmp_path):
+    """benchmarks/seeing_recipe.py through its real path on the tiny world: a fresh tower, a frozen-LM phase then
+    joint steps, one result line per run with every question kind scored; --kinds restricts the training
+    questions; an unknown kind is refused naming the known ones."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.benchmarks import load_benchmark
+
+    bench = load_benchmark("seeing_recipe")
+    _, out = tiny_world
+    args = ["--world", str(out), "--steps", "2", "--freeze-lm", "1", "--batch", "2", "--pool", "6", "--scenes", "2",
+            "--tower-hidden", "16", "--tower-intermediate", "32", "--json", str(tmp_path / "r.jsonl")]
+    got = bench.main([*args, "--tag", "a"])
+    assert set(got["by_kind"]) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in got["by_kind"].values())
+    assert 0 < got["final_image_loss"] and got["first_image_loss"] > 0 and got["caption_distinct"] >= 1
+    bench.main([*args, "--tag", "b", "--kinds", "colour"])
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [x["tag"] for x in lines] == ["a", "b"]
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    a = bench.parse_args([*args, "--kinds", "colour"])
+    for ex in bench.training_pool(tok, a):
+        answer = tok.decode([i for i, lab in zip(ex.ids, ex.labels) if lab != eyes.IGNORE])
+        assert answer.startswith(("They are", "It is")), answer  # colour answers only
+    with pytest.raises(SystemExit, match="unknown question kinds"):
+        bench.training_pool(tok, bench.parse_args([*args, "--kinds", "weather"]))

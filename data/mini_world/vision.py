@@ -214,26 +214,34 @@ def train_and_save(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
     return stats
 
 
+def answers_by_kind(wrapper, tok, shown: list[scenes.Scene], size: int, max_new_tokens: int = 24) -> dict:
+    """The wrapper's greedy answers about `shown` scenes (drawn at `size` pixels), one question of every kind:
+    `by_kind` = the fraction exactly right per kind (caption, count, colour, shape, text), `caption_exact` /
+    `caption_distinct` (distinct captions: answers that depend on the image), `examples` = three
+    [truth, caption] pairs."""
+    pngs = [scenes.png(scenes.draw_scene(s, size)) for s in shown]
+    by_kind, captions = {}, []
+    for kind, questions in scenes.QUESTIONS.items():
+        answers = [a.strip() for a in greedy_answers(wrapper, tok, pngs, questions[0], max_new_tokens)]
+        truth = [scenes.answer(s, kind) for s in shown]
+        by_kind[kind] = sum(a == t for a, t in zip(answers, truth)) / len(shown)
+        if kind == "caption":
+            captions = list(zip(truth, answers))
+    return {"by_kind": by_kind, "caption_exact": sum(a == t for t, a in captions),
+            "caption_distinct": len({a for _, a in captions}), "examples": [[t, a] for t, a in captions[:3]]}
+
+
 def seeing_check(cfg, ckpt: Path, tok, n: int = 12) -> dict:
-    """k25-mini's greedy answers about `n` held-out scenes: for the caption, how many are exactly right and how
-    many differ (answers that depend on the image); for every question kind (caption, count, colour, shape,
-    text), the fraction answered exactly right (`by_kind`), so a world that sees some facts and not others
-    says which."""
+    """k25-mini's greedy answers about `n` held-out scenes (`answers_by_kind`): for the caption, how many are
+    exactly right and how many differ; for every question kind, the fraction exactly right, so a world that
+    sees some facts and not others says which."""
     from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 
     rng = random.Random(cfg.seed + 30)
     shown = [scenes.random_scene(rng) for _ in range(n)]
     wrapper = Kimi_K25ForConditionalGeneration.from_pretrained(str(ckpt)).to(resolve_device(cfg.device))
-    pngs = [scenes.png(scenes.draw_scene(s, cfg.vision.image_size)) for s in shown]
-    by_kind, captions = {}, []
-    for kind, questions in scenes.QUESTIONS.items():
-        answers = [a.strip() for a in greedy_answers(wrapper, tok, pngs, questions[0], max_new_tokens=24)]
-        truth = [scenes.answer(s, kind) for s in shown]
-        by_kind[kind] = sum(a == t for a, t in zip(answers, truth)) / n
-        if kind == "caption":
-            captions = list(zip(truth, answers))
+    scored = answers_by_kind(wrapper, tok, shown, cfg.vision.image_size)
     return {"vision_params": sum(p.numel() for p in wrapper.model.vision_tower.parameters())
             + sum(p.numel() for p in wrapper.model.mm_projector.parameters()),
-            "question": scenes.QUESTIONS["caption"][0], "scenes": n,
-            "exact": sum(a == t for t, a in captions), "distinct": len({a for _, a in captions}),
-            "by_kind": by_kind, "examples": [[t, a] for t, a in captions[:3]]}
+            "question": scenes.QUESTIONS["caption"][0], "scenes": n, "exact": scored["caption_exact"],
+            "distinct": scored["caption_distinct"], "by_kind": scored["by_kind"], "examples": scored["examples"]}
