@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze-lm", type=int, default=0, help="first train tower + projector alone for N steps")
     p.add_argument("--kinds", default="", help="train only on these question kinds (comma list); all are scored")
     p.add_argument("--text-blocks", type=int, default=0, help="K2.5 text blocks per step (needs the world's corpus)")
+    p.add_argument("--text-weight", type=float, default=1.0, help="the text blocks' loss weight")
     p.add_argument("--scenes", type=int, default=24, help="held-out scenes scored per question kind")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="run")
@@ -77,15 +78,26 @@ def recipe(a: argparse.Namespace, steps: int) -> SimpleNamespace:
     """The vision config train_seeing reads (schema field names), for `steps` steps."""
     train = SimpleNamespace(steps=steps, lr=a.lr, warmup_steps=max(1, steps // 10), batch_size=a.batch,
                             seq_len=128, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0)
-    return SimpleNamespace(train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale)
+    return SimpleNamespace(train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale,
+                           text_loss_weight=a.text_weight)
 
 
-def text_blocks(world: Path, tok, n: int) -> torch.Tensor:
+def text_blocks(world: Path, tok, n: int, max_chars: int = 2000) -> torch.Tensor:
+    """Blocks of 128 tokens from the text conversations of the world's K2.5 corpus (ShareGPT records), for
+    `--text-blocks` (the world builder uses the K2.5 training part; the corpus is the same distribution)."""
     if not n:
         return torch.zeros(0, 128, dtype=torch.long)
-    records = [json.loads(line) for line in (world / "corpus" / "k25_mini.jsonl").open()]
-    texts = [r for r in records if not any(isinstance(m.get("content"), list) for m in r.get("messages", []))]
-    seqs = [tok.apply_chat_template(r["messages"], tokenize=True) for r in texts[:400]]
+    roles = {"human": "user", "gpt": "assistant"}
+    seqs = []
+    for line in (world / "corpus" / "k25_mini.jsonl").open():
+        record = json.loads(line)
+        if "conversations" not in record:  # an image conversation (OpenAI messages)
+            continue
+        msgs = [{"role": roles[t["from"]], "content": t["value"][:max_chars]} for t in record["conversations"]
+                if t["from"] in roles]
+        seqs.append(tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"][:512])
+        if len(seqs) == 400:
+            break
     return pack_blocks(seqs, 128)
 
 
@@ -122,6 +134,9 @@ def main(argv=None) -> dict:
     out = {"tag": a.tag, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "train_s": round(seconds, 1), "first_image_loss": round(stats["first_image_loss"], 4),
            "final_image_loss": round(stats["final_image_loss"], 4), **scored}
+    if a.text_blocks:  # the joint loss less the image loss, unweighted: how the LM keeps its text
+        out["first_text_loss"] = round((stats["first_loss"] - stats["first_image_loss"]) / a.text_weight, 4)
+        out["final_text_loss"] = round((stats["final_loss"] - stats["final_image_loss"]) / a.text_weight, 4)
     print(json.dumps(out), flush=True)
     if a.json:
         with a.json.open("a") as f:

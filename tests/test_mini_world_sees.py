@@ -118,3 +118,5 @@ def test_bad_vision_settings_are_refused(tmp_path):
         cfg("vision.corpus_every=1")
     with pytest.raises(ConfigError, match="multiple of vision.num_attention_heads"):
         cfg("vision.hidden_size=30", "vision.num_attention_heads=4")
+    with pytest.raises(ConfigError, match="text_loss_weight must be > 0"):
+        cfg("vision.text_loss_weight=0")

@@ -66,6 +66,22 @@ def test_joint_step_trains_bit_identically_to_the_wrappers_own_forward(seeing_se
     assert all(torch.equal(plain[2][k], fast[2][k]) for k in plain[2])  # every weight, bit for bit
 
 
+def test_text_loss_weight_scales_only_the_text_part(seeing_setup):
+    """text_weight w: the joint loss is image + w * text on the same batches (the image part unchanged)."""
+    tok, wrapper, pool, blocks = seeing_setup
+    model = copy.deepcopy(wrapper).eval()
+
+    def first_step(weight):
+        images, texts = BatchSampler(len(pool), 4, 7), BatchSampler(len(blocks), 2, 8)
+        step = JointStep(model, pool, blocks, tok.pad_token_id, images, texts, torch.device("cpu"), text_weight=weight)
+        with torch.no_grad():
+            return step(0).item(), step.image_losses()[0]
+
+    (full, image1), (quarter, image2) = first_step(1.0), first_step(0.25)
+    assert image1 == image2 and full - image1 > 0.1
+    assert quarter - image2 == pytest.approx(0.25 * (full - image1), rel=1e-4)
+
+
 def test_pool_batch_is_collate(seeing_setup):
     tok, wrapper, pool, _ = seeing_setup
     pt = PoolTensors(pool, tok.pad_token_id, eyes.media_pad_id(tok), lambda g: 4, torch.device("cpu"))

@@ -138,7 +138,8 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
         if cfg.text_batch_size and len(text_blocks) else None
     # the pool on the device once, the tower's index tensors once, no host sync per step: the same numbers as
     # wrapper(**collate(batch)) + the text blocks' loss (data/mini_world/vision_step.py, tests/test_vision_step.py)
-    step = JointStep(wrapper, pool, text_blocks, tok.pad_token_id, images, texts, device)
+    step = JointStep(wrapper, pool, text_blocks, tok.pad_token_id, images, texts, device,
+                     text_weight=cfg.text_loss_weight)
     stats = optimise(wrapper, t, step, desc=f"k25-mini vision ({device.type})", device=device,
                      lr_scale=lambda name: cfg.vision_lr_scale if is_vision_param(name) else 1.0)
     image_losses = step.image_losses()

@@ -78,13 +78,15 @@ def tower_inputs(tower, grid_thw: torch.Tensor, device: torch.device) -> dict:
 
 
 class JointStep:
-    """`step(i)` -> the joint loss of the next image batch and text batch (the samplers' order), as the
-    wrapper's own forward computes it. `image_losses()` / `losses()`: every step's figures, read once."""
+    """`step(i)` -> the joint loss of the next image batch and text batch (the samplers' order; the text loss
+    times `text_weight`), as the wrapper's own forward computes it. `image_losses()` / `losses()`: every step's figures, read once."""
 
-    def __init__(self, wrapper, pool, text_blocks: torch.Tensor, pad_id: int, images, texts, device: torch.device):
+    def __init__(self, wrapper, pool, text_blocks: torch.Tensor, pad_id: int, images, texts, device: torch.device,
+                 text_weight: float = 1.0):
         from eagle3.target_model import images as img_rule
 
         self.wrapper, self.images, self.texts, self.device = wrapper, images, texts, device
+        self.text_weight = text_weight  # the text blocks' loss counts this much next to the image loss
         m = wrapper.model
         self.image_token_id, self.video_token_id = m.config.image_token_id, m.config.video_token_id
         self.pool = PoolTensors(pool, pad_id, self.image_token_id,
@@ -125,7 +127,8 @@ class JointStep:
         self._image_losses.append(loss.detach())
         if self.texts is not None:
             blocks = self.text_blocks[self.texts.next().to(self.device)]
-            loss = loss + self.wrapper(inputs_embeds=self.token_embeddings(blocks), labels=blocks).loss
+            text_loss = self.wrapper(inputs_embeds=self.token_embeddings(blocks), labels=blocks).loss
+            loss = loss + (text_loss if self.text_weight == 1.0 else self.text_weight * text_loss)
         return loss
 
     def image_losses(self) -> list[float]:

@@ -101,7 +101,11 @@ class MiniVisionConf:
     num_attention_heads: int = 2
     intermediate_size: int = 64
     pool_examples: int = 2048  # training scenes with their questions (drawn once, sampled per step)
-    text_batch_size: int = 4  # K2.5 text blocks (train.seq_len tokens) per step, next to train.batch_size images
+    text_batch_size: int = 2  # K2.5 text blocks (train.seq_len tokens) per step, next to train.batch_size images
+    # the text blocks' loss weight in the joint loss (image loss weight 1): at 1, 1-4 text blocks per step slowed the
+    # seeing down (Adam's step on the shared LM weights is then mostly the text's); at 0.3 the LM still improves
+    # its text while it learns to read the image rows (BENCHMARKS.md, "A CPU world that sees")
+    text_loss_weight: float = 0.3
     corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
     max_turns: int = 2  # questions per image conversation: 1..max_turns
     vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
@@ -119,6 +123,8 @@ class MiniVisionConf:
             raise ConfigError("vision.hidden_size must be a multiple of vision.num_attention_heads")
         if self.vision_lr_scale <= 0:
             raise ConfigError("vision.vision_lr_scale must be > 0")
+        if self.text_loss_weight <= 0:
+            raise ConfigError("vision.text_loss_weight must be > 0 (to train without text, set text_batch_size=0)")
         if self.pool_examples < 1 or self.text_batch_size < 0 or self.corpus_every < 2 or not 1 <= self.max_turns <= 5:
             raise ConfigError("vision: pool_examples >= 1, text_batch_size >= 0, corpus_every >= 2 and "
                               "1 <= max_turns <= 5 are required")
