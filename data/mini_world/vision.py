@@ -129,7 +129,8 @@ def is_vision_param(name: str) -> bool:
 def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tensor, cfg, *, seed: int,
                  device: torch.device) -> dict:
     """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
-    `cfg.text_batch_size` text blocks per step; the loss is their sum. The new tower and projector learn at
+    `cfg.text_batch_size` text blocks per step; the loss is the image loss + `cfg.text_loss_weight` x the text
+    loss. The new tower and projector learn at
     `cfg.vision_lr_scale` x the LM's rate (the LM is trained already). Returns loss figures."""
     t = cfg.train
     calm_position_table(wrapper)
