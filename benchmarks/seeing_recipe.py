@@ -21,6 +21,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +30,9 @@ import torch
 from data.mini_world import checkpoints as ck
 from data.mini_world import scenes
 from data.mini_world import vision as eyes
-from data.mini_world.lm import pack_blocks
+from data.mini_world.lm import encode_conversations, pack_blocks
+from data.mini_world.split import Conversation
+from eagle3.config.schema.mini_world import MiniVisionConf
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="image conversations per step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--vision-lr-scale", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=MiniVisionConf().train.weight_decay,
+                   help="AdamW weight decay on matrices (default: the world's)")
     p.add_argument("--pool", type=int, default=2048, help="training scenes")
     p.add_argument("--size", type=int, default=56, help="scene pixels per side (multiple of 28)")
     p.add_argument("--tower-hidden", type=int, default=32)
@@ -74,31 +79,30 @@ def training_pool(tok, a: argparse.Namespace) -> list:
     return pool
 
 
-def recipe(a: argparse.Namespace, steps: int) -> SimpleNamespace:
-    """The vision config train_seeing reads (schema field names), for `steps` steps."""
-    train = SimpleNamespace(steps=steps, lr=a.lr, warmup_steps=max(1, steps // 10), batch_size=a.batch,
-                            seq_len=128, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0)
-    return SimpleNamespace(train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale,
-                           text_loss_weight=a.text_weight)
+def recipe(a: argparse.Namespace, steps: int) -> MiniVisionConf:
+    """The world's vision config (the schema's defaults: weight decay, clip, lr floor, block length) with this
+    run's knobs, for `steps` steps (warmup a tenth of them)."""
+    base = MiniVisionConf()
+    train = replace(base.train, steps=steps, lr=a.lr, warmup_steps=max(1, steps // 10), batch_size=a.batch,
+                    weight_decay=a.weight_decay)
+    return replace(base, train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale,
+                   text_loss_weight=a.text_weight)
 
 
-def text_blocks(world: Path, tok, n: int, max_chars: int = 2000) -> torch.Tensor:
-    """Blocks of 128 tokens from the text conversations of the world's K2.5 corpus (ShareGPT records), for
+def text_blocks(world: Path, tok, n: int, seq_len: int, max_tokens: int = 512, max_chars: int = 2000) -> torch.Tensor:
+    """Blocks of `seq_len` tokens from the first 400 text conversations of the world's K2.5 corpus (ShareGPT
+    records, rendered and cut as the world builder encodes text: data/mini_world/lm.encode_conversations), for
     `--text-blocks` (the world builder uses the K2.5 training part; the corpus is the same distribution)."""
     if not n:
-        return torch.zeros(0, 128, dtype=torch.long)
-    roles = {"human": "user", "gpt": "assistant"}
-    seqs = []
+        return torch.zeros(0, seq_len, dtype=torch.long)
+    convs = []
     for line in (world / "corpus" / "k25_mini.jsonl").open():
         record = json.loads(line)
-        if "conversations" not in record:  # an image conversation (OpenAI messages)
-            continue
-        msgs = [{"role": roles[t["from"]], "content": t["value"][:max_chars]} for t in record["conversations"]
-                if t["from"] in roles]
-        seqs.append(tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"][:512])
-        if len(seqs) == 400:
+        if "conversations" in record:  # not an image conversation (OpenAI messages)
+            convs.append(Conversation(record["id"], "", record["conversations"]))
+        if len(convs) == 400:
             break
-    return pack_blocks(seqs, 128)
+    return pack_blocks(encode_conversations(tok, convs, max_tokens=max_tokens, max_chars=max_chars), seq_len)
 
 
 def main(argv=None) -> dict:
@@ -117,7 +121,7 @@ def main(argv=None) -> dict:
     wrapper = ck.build_kimi_k25(text_model, tower, seed=a.seed + 1, image_token_id=eyes.media_pad_id(tok))
     del saved
     pool = training_pool(tok, a)
-    blocks = text_blocks(world, tok, a.text_blocks)
+    blocks = text_blocks(world, tok, a.text_blocks, MiniVisionConf().train.seq_len)
     cpu = torch.device("cpu")
     t0 = time.perf_counter()
     if a.freeze_lm:

@@ -11,7 +11,7 @@ from data.mini_world import vision as eyes
 from data.mini_world.build import format_report, run_mini_world
 from eagle3.config.conf import compose, to_schema
 from eagle3.formats.manifest import read_manifest
-from eagle3.config.schema.mini_world import MiniWorldConfig
+from eagle3.config.schema.mini_world import MiniVisionConf, MiniWorldConfig
 
 TINY = [
     "split.max_records=400", "split.eval_conversations=8", "split.corpus_conversations_k2=12",
@@ -197,8 +197,9 @@ def test_seeing_k25_mini_is_captured_as_its_hf_multimodal_forward(tiny_world):
 
 def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny_world, tmp_path):
     """benchmarks/seeing_recipe.py through its real path on the tiny world: a fresh tower, a frozen-LM phase then
-    joint steps, one result line per run with every question kind scored; --kinds restricts the training
-    questions; an unknown kind is refused naming the known ones."""
+    joint steps, one result line per run with every question kind scored; text blocks from the world's corpus
+    (their loss reported unweighted); --kinds restricts the training questions; an unknown kind is refused naming
+    the known ones."""
     from transformers import AutoTokenizer
 
     from tests.fixtures.benchmarks import load_benchmark
@@ -210,7 +211,9 @@ def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny
     got = bench.main([*args, "--tag", "a"])
     assert set(got["by_kind"]) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in got["by_kind"].values())
     assert 0 < got["final_image_loss"] and got["first_image_loss"] > 0 and got["caption_distinct"] >= 1
-    bench.main([*args, "--tag", "b", "--kinds", "colour"])
+    with_text = bench.main([*args, "--tag", "b", "--kinds", "colour", "--text-blocks", "1", "--text-weight", "0.5"])
+    assert with_text["args"]["weight_decay"] == MiniVisionConf().train.weight_decay  # the world's own
+    assert with_text["first_text_loss"] > 1 and with_text["final_text_loss"] > 1  # the corpus text blocks trained too
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [x["tag"] for x in lines] == ["a", "b"]
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))

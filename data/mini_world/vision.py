@@ -130,8 +130,8 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
                  device: torch.device) -> dict:
     """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
     `cfg.text_batch_size` text blocks per step; the loss is the image loss + `cfg.text_loss_weight` x the text
-    loss. The new tower and projector learn at
-    `cfg.vision_lr_scale` x the LM's rate (the LM is trained already). Returns loss figures."""
+    loss. The new tower and projector learn at `cfg.vision_lr_scale` x the LM's rate (the LM is trained already).
+    Returns loss figures."""
     t = cfg.train
     calm_position_table(wrapper)
     images = BatchSampler(len(pool), min(t.batch_size, len(pool)), seed)

@@ -79,7 +79,8 @@ def tower_inputs(tower, grid_thw: torch.Tensor, device: torch.device) -> dict:
 
 class JointStep:
     """`step(i)` -> the joint loss of the next image batch and text batch (the samplers' order; the text loss
-    times `text_weight`), as the wrapper's own forward computes it. `image_losses()` / `losses()`: every step's figures, read once."""
+    times `text_weight`), as the wrapper's own forward computes it. `image_losses()` / `losses()`: every step's
+    figures, read once."""
 
     def __init__(self, wrapper, pool, text_blocks: torch.Tensor, pad_id: int, images, texts, device: torch.device,
                  text_weight: float = 1.0):
@@ -128,7 +129,7 @@ class JointStep:
         if self.texts is not None:
             blocks = self.text_blocks[self.texts.next().to(self.device)]
             text_loss = self.wrapper(inputs_embeds=self.token_embeddings(blocks), labels=blocks).loss
-            loss = loss + (text_loss if self.text_weight == 1.0 else self.text_weight * text_loss)
+            loss = loss + self.text_weight * text_loss
         return loss
 
     def image_losses(self) -> list[float]:
