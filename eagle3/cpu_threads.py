@@ -11,6 +11,7 @@ torch loads its OpenMP runtime, so `prefer_passive_wait` must run before `import
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 
@@ -44,3 +45,24 @@ def auto_threads() -> int:
     except OSError:
         busy = 0.0
     return max(1, min(cores, round(cores - busy)))
+
+
+def small_op_threads(threads: int) -> int:
+    """Torch threads for a phase of many tiny ops (the mini world's joint vision step: a 2-layer tower on
+    16 tiny images, a 128-wide LM): one when idle threads sleep, else `threads`. Waking a sleeping thread
+    costs more than it gives there; measured on the 2-core machine (BENCHMARKS.md, "A CPU world that sees"),
+    100 joint steps took 50 s on 2 passive threads, 39 s on 1, 28 s on 2 spinning ones."""
+    return 1 if passive_wait() else threads
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to `n` inside the block and restored after it."""
+    import torch  # only here: the rest of this module must run before torch is imported
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

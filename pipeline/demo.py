@@ -172,8 +172,10 @@ def build_experiment(cfg, log: StageLog, world_seed: Optional[int] = None) -> Ex
     ov = cfg.overrides
     steps = [f"max_steps={cfg.train_steps}"] + list(ov.train)
 
+    # the user's pin or 0: the world's own auto rule, which runs its joint vision step on one thread when idle
+    # threads sleep (eagle3/cpu_threads.small_op_threads)
     world = log.run("mini world", "mini_world",
-                    root + [f"num_threads={log.threads}", f"seed={world_seed}"] + list(ov.mini_world))
+                    root + [f"num_threads={cfg.num_threads}", f"seed={world_seed}"] + list(ov.mini_world))
     k2_layers = json.loads((world / "k2-mini" / "config.json").read_text())["num_hidden_layers"]
     # Kimi's pattern: SGLang's default capture h = [2, L//2, L-3] ([2, 30, 58] for 61 layers), as the real
     # K2 / K2.5 drafters read; the exported stand-in lists ids [1, L//2-1, L-4], which every SGLang reads so.

@@ -83,6 +83,7 @@ def test_tiny_world_report_and_training_happened(tiny_world):
             assert 1 < p["ppl"] < 400 * 2 and 0 < p["tokens"] <= 400
     seeing = r["models"]["k25-mini"]["train"]["vision"]
     assert seeing["steps"] == 4 and seeing["image_examples"] == 16
+    assert seeing["torch_threads"] == 1  # the joint vision step's count is recorded (TINY pins num_threads=1)
     assert r["vision"]["held_out_answers"]["scenes"] == 12 and r["vision"]["corpus_image_conversations"] == 3
     by_kind = r["vision"]["held_out_answers"]["by_kind"]
     assert set(by_kind) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in by_kind.values())

