@@ -4,54 +4,25 @@ eagle3/image_embeddings.token_embeddings), in the reference and the fast unroll;
 embed(<|media_pad|>). A text-only store trains exactly as before under both. Checked on what the drafter's
 layer receives (a forward pre-hook), in the objective and in a real train-stage step."""
 import json
-import shutil
 
 import pytest
 import torch
 
 from eagle3.config.conf import compose, to_schema
 from eagle3.drafter.image_embeddings import CONFIG_KEY
-from eagle3.formats.manifest import write_manifest
 from eagle3.drafter.model import DrafterLayer
 from eagle3.config.schema.train import TrainConfig
-from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
+from eagle3.formats.store import HiddenStateStore
 from eagle3.ttt.unroll import TTTObjective, ttt_unroll
-from tests.fixtures.train_world import overrides, write_world
+from tests.fixtures.train_world import IMAGE_AT, overrides, write_image_world, write_world
 from train.batches import StoreSequences, collate
 from train.loop import run_train
 from train.model_setup import init_drafter
 
-IMAGE_AT = slice(4, 7)  # positions 4..6 of every sequence: an image (no loss there, as in a user turn)
-
-
 @pytest.fixture(scope="module")
 def image_world(tmp_path_factory, tiny_k25_target):
-    """The train toy world (tests/fixtures/train_world.py) rewritten as an image capture: positions 4..6 of
-    each sequence hold the image id (outside the draft vocab) and the store keeps their fused rows."""
-    root = tmp_path_factory.mktemp("train_images")
-    world = write_world(root, tiny_k25_target, n_train=12, n_val=4)
-    pad = 511  # the tiny vocab's last id: no toy sequence uses it
-    g = torch.Generator().manual_seed(5)
-    for split in ("train", "validation"):
-        d = world["capture"] / split
-        old = HiddenStateStore(d)
-        items = [old[i] for i in range(len(old))]
-        H, HT, hf, meta = old.hidden_size, old.target_hidden_size, old.hf_indices, {"split": split}
-        shutil.rmtree(d)
-        w = HiddenStateWriter(d, hidden_size=H, target_hidden_size=HT, hf_indices=hf, dtype="bfloat16",
-                              shard_tokens=200, meta=meta, image_token_id=pad)
-        for it in items:
-            ids = it["input_ids"].clone()
-            ids[IMAGE_AT] = pad
-            mask = it["loss_mask"].clone()
-            mask[IMAGE_AT] = 0  # an image is part of a user turn: no loss (prepare's assistant-only mask)
-            rows = 3 * torch.randn(IMAGE_AT.stop - IMAGE_AT.start, H, generator=g)
-            w.add(it["id"], ids, mask, it["aux"], it["last"], it["target_argmax"], image_embeds=rows)
-        w.finish()
-    man = json.loads((world["capture"] / "manifest.json").read_text())
-    write_manifest(world["capture"], "capture", {"toy": True, "images": True}, target=man["target"],
-                   hf_indices=man["hf_indices"])
-    return {**world, "pad": pad}
+    """The train toy world rewritten as an image capture (tests/fixtures/train_world.write_image_world)."""
+    return write_image_world(tmp_path_factory.mktemp("train_images"), tiny_k25_target)
 
 
 def config(world, out, **extra):

@@ -1,0 +1,169 @@
+"""Does the drafter read its image rows? The convention-mismatch question of issue 34, measured.
+
+SGLang feeds an EAGLE-3 drafter the target's fused input embeddings at image positions, vLLM embeds
+`<|media_pad|>` there (eagle3/drafter/image_embeddings.py). A drafter trained under one and served under the other
+can only lose if it reads those rows. This probe takes a finished from-K2 training run on K2.5 (its manifest's
+config is the recipe: same init, data, lr, batch), trains it again under both conventions for each of `--steps`,
+and replays every drafter over the validation store's image-traffic sequences with the image rows fed three ways:
+
+  fused        the target's fused rows (SGLang)
+  placeholder  embed(<|media_pad|>) (vLLM)
+  other-image  the fused rows of another validation picture: the rows' distribution kept, their content swapped
+
+A drafter that takes the picture from its image rows loses accept length under `other-image`; one whose image
+rows only shape the attention's background loses little to either swap. Prints one JSON line per (steps, trained
+convention) and appends it to `--json`; a table at the end.
+
+    make demo                                                             # the runs it starts from
+    python benchmarks/image_rows_probe.py --train-dir runs/stages/k25-mini/train-aqmedai_k2 \\
+        --steps 40 200 600 --out runs/image-rows-probe --json runs/image-rows-probe/probe.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from eagle3.config.conf import to_schema
+from eagle3.config.schema.train import TrainConfig
+from eagle3.drafter.image_embeddings import CONVENTIONS
+from eagle3.formats.manifest import read_manifest
+from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.replay.evaluate import evaluate_drafter, traffic_of
+
+SERVED = (*CONVENTIONS, "other-image")
+KNOB = SpecKnobs(2, 1, 3)  # the demo's primary knob (steps 2, topk 1, 3 draft tokens)
+
+
+class StoreView:
+    """A validation store seen through `items` (its image-traffic sequences), optionally with each sequence's fused
+    image rows taken from another one (`swap`: item i reads the rows of item swap[i]). Everything else is the
+    store's."""
+
+    def __init__(self, store, items: list[int], swap: dict[int, int] | None = None):
+        self.store, self.items, self.swap = store, items, swap or {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        s = dict(self.store[self.items[i]])
+        if i in self.swap:
+            s["image_embeds"] = self.store[self.items[self.swap[i]]]["image_embeds"]
+        return s
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def image_items(store) -> list[int]:
+    return [i for i in range(len(store)) if traffic_of(store, store[i]) == "image"]
+
+
+def other_image_swap(store, items: list[int]) -> tuple[dict[int, int], int]:
+    """For each image sequence, the next one (cyclically) whose fused rows have the same count: {view index: view
+    index of the donor}, and how many found none (those keep their own rows and are counted, not hidden)."""
+    counts = [int(store[i]["image_embeds"].shape[0]) for i in items]
+    swap, alone = {}, 0
+    for a in range(len(items)):
+        donor = next((b for b in (*range(a + 1, len(items)), *range(a)) if counts[b] == counts[a]), None)
+        if donor is None:
+            alone += 1
+        else:
+            swap[a] = donor
+    return swap, alone
+
+
+def train_config(train_dir: Path, steps: int, convention: str, out: Path) -> TrainConfig:
+    """The finished run's own config (its manifest), trained `steps` optimizer steps under `convention` into `out`,
+    epochs unbounded so `steps` decides."""
+    cfg = to_schema(read_manifest(train_dir, "train")["config"], TrainConfig)
+    return replace(cfg, max_steps=steps, epochs=None, image_embeddings=convention, out_dir=str(out),
+                   val_every=0, val_accept_sequences=0, progress=False,
+                   wandb=replace(cfg.wandb, mode="disabled"))
+
+
+def scores(report: dict) -> dict:
+    part = report["by_traffic"]["image"]
+    tau = part["accept"][KNOB.label]["drafter"]["accept_length"]
+    return {"tau": float(tau), "acc0": float(part["accuracy"]["step_accuracy"][0])}
+
+
+def probe(cfg: TrainConfig, store, items: list[int], swap: dict[int, int]) -> dict:
+    """Train (reusing a finished run of the same config), load, and replay under every served feed."""
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.target_model.target_io import load_embed_tokens
+    from train.loop import run_train
+
+    t = time.time()
+    final = Path(cfg.out_dir) / "final"
+    if not (final / "config.json").is_file():
+        run_train(cfg)
+    train_s = time.time() - t
+    embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    drafter = load_drafter_dir(final, embed_tokens=embed, device=device, dtype="float32").eval()
+    out = {}
+    for served in SERVED:
+        view = StoreView(store, items, swap if served == "other-image" else None)
+        rep = evaluate_drafter(drafter, view, knobs=[KNOB], ngram=None, progress=False,
+                               image_embeddings="fused" if served == "other-image" else served)
+        out[served] = scores(rep)
+    return {"train_s": round(train_s, 1), "served": out}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--train-dir", type=Path, required=True,
+                   help="a finished K2.5 training run with image traffic (the demo's train-aqmedai_k2)")
+    p.add_argument("--steps", type=int, nargs="+", default=[40, 200, 600], help="optimizer steps per trained drafter")
+    p.add_argument("--out", type=Path, required=True, help="where the probe's training runs go (reused when finished)")
+    p.add_argument("--json", type=Path, default=None, help="append the result lines here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    from eagle3.formats.store import HiddenStateStore
+
+    a = parse_args(argv)
+    base = to_schema(read_manifest(a.train_dir, "train")["config"], TrainConfig)
+    store = HiddenStateStore(Path(base.capture_dir) / base.data.val_split)
+    if not store.has_fused_image_rows:
+        raise SystemExit(f"{store.dir}: no fused image rows (image_rows={store.image_rows!r}); the probe needs an "
+                         "HF image capture")
+    items = image_items(store)
+    if not items:
+        raise SystemExit(f"{store.dir}: no image-traffic sequences in the validation store")
+    swap, alone = other_image_swap(store, items)
+    lines = []
+    for steps in a.steps:
+        for trained in CONVENTIONS:
+            cfg = train_config(a.train_dir, steps, trained, a.out / f"train-{steps}-{trained}")
+            line = {"steps": steps, "trained": trained, "image_sequences": len(items), "no_donor": alone,
+                    "knob": KNOB.label, **probe(cfg, store, items, swap)}
+            print(json.dumps(line), flush=True)
+            if a.json:
+                a.json.parent.mkdir(parents=True, exist_ok=True)
+                with a.json.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+            lines.append(line)
+    print(table(lines), flush=True)
+    return lines
+
+
+def table(lines: list[dict]) -> str:
+    head = "| steps | trained | " + " | ".join(f"served {s}: tau / acc0" for s in SERVED) + " |"
+    rows = [head, "|" + "---|" * (2 + len(SERVED))]
+    for x in lines:
+        cells = [f"{x['served'][s]['tau']:.3f} / {x['served'][s]['acc0']:.3f}" for s in SERVED]
+        rows.append(f"| {x['steps']} | {x['trained']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""benchmarks/image_rows_probe.py through its real path on the toy image world (tests/fixtures/train_world.py): a
+finished training run's manifest is the recipe, both conventions are trained again and every drafter is replayed
+over the image sequences with fused, placeholder and another picture's fused rows; the other-image view really
+swaps the rows (same count, another sequence's), and a second call reuses the finished runs."""
+import json
+
+import pytest
+import torch
+
+from eagle3.formats.store import HiddenStateStore
+from tests.fixtures.benchmarks import load_benchmark
+from tests.fixtures.train_world import config_for, write_image_world
+from train.loop import run_train
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_k25_target):
+    root = tmp_path_factory.mktemp("rows_probe")
+    world = write_image_world(root, tiny_k25_target)
+    out = root / "train-from"
+    run_train(config_for(world, out, max_steps=2))
+    return world, out
+
+
+def test_other_image_view_swaps_in_another_sequences_rows(finished_run):
+    bench = load_benchmark("image_rows_probe")
+    world, _ = finished_run
+    store = HiddenStateStore(world["capture"] / "validation")
+    items = bench.image_items(store)
+    assert items == list(range(len(store))) and len(items) == 4  # every toy validation sequence holds an image
+    swap, alone = bench.other_image_swap(store, items)
+    assert alone == 0 and sorted(swap) == [0, 1, 2, 3] and all(swap[a] != a for a in swap)
+    view = bench.StoreView(store, items, swap)
+    for a, donor in swap.items():
+        got = view[a]
+        torch.testing.assert_close(got["image_embeds"], store[items[donor]]["image_embeds"])
+        assert not torch.equal(got["image_embeds"], store[items[a]]["image_embeds"])
+        assert torch.equal(got["input_ids"], store[items[a]]["input_ids"])  # only the rows move
+    plain = bench.StoreView(store, items)
+    assert torch.equal(plain[1]["image_embeds"], store[items[1]]["image_embeds"])
+    assert view.image_token_id == store.image_token_id and len(view) == 4
+
+
+def test_probe_trains_both_conventions_and_replays_every_feed(finished_run, tmp_path, monkeypatch):
+    bench = load_benchmark("image_rows_probe")
+    _, train_dir = finished_run
+    args = ["--train-dir", str(train_dir), "--steps", "3", "--out", str(tmp_path / "probe"),
+            "--json", str(tmp_path / "p.jsonl")]
+    lines = bench.main(args)
+    assert [(x["steps"], x["trained"]) for x in lines] == [(3, "fused"), (3, "placeholder")]
+    for x in lines:
+        assert set(x["served"]) == {"fused", "placeholder", "other-image"} and x["image_sequences"] == 4
+        for got in x["served"].values():
+            assert got["tau"] >= 1.0 and 0 <= got["acc0"] <= 1
+        man = json.loads((tmp_path / "probe" / f"train-3-{x['trained']}" / "manifest.json").read_text())
+        assert man["config"]["image_embeddings"] == x["trained"] and man["config"]["max_steps"] == 3
+        assert man["config"]["optim"]["lr"] == 3e-3  # the finished run's recipe, not the schema's default
+    assert [json.loads(x)["trained"] for x in (tmp_path / "p.jsonl").read_text().splitlines()] == \
+        ["fused", "placeholder"]
+    # a second call reuses the finished runs: no training
+    monkeypatch.setattr("train.loop.run_train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
+    again = bench.main(args)
+    assert [x["served"] for x in again] == [x["served"] for x in lines]
