@@ -11,8 +11,10 @@ and replays every drafter over the validation store's image-traffic sequences wi
   other-image  the fused rows of another validation picture: the rows' distribution kept, their content swapped
 
 A drafter that takes the picture from its image rows loses accept length under `other-image`; one whose image
-rows only shape the attention's background loses little to either swap. Prints one JSON line per (steps, trained
-convention) and appends it to `--json`; a table at the end.
+rows only shape the attention's background loses little to either swap. Since tau and step-0 accuracy move only
+when a greedy draft flips, the probe also reads the step-0 distribution at the image sequences' loss positions: the
+target token's log-prob, and against the trained feed the total variation and the share of argmax flips. Prints
+one JSON line per (steps, trained convention) and appends it to `--json`; a table at the end.
 
     make demo                                                             # the runs it starts from
     python benchmarks/image_rows_probe.py --train-dir runs/stages/k25-mini/train-aqmedai_k2 \\
@@ -34,7 +36,9 @@ from eagle3.config.schema.train import TrainConfig
 from eagle3.drafter.image_embeddings import CONVENTIONS
 from eagle3.formats.manifest import read_manifest
 from eagle3.replay.accept_sim import SpecKnobs
-from eagle3.replay.evaluate import evaluate_drafter, traffic_of
+from eagle3.replay.evaluate import evaluate_drafter, sequence_embeds, traffic_of
+from eagle3.ttt.attention import TTTCache, ttt_position_ids
+from eagle3.ttt.loss import loss_positions, shift_left
 
 SERVED = (*CONVENTIONS, "other-image")
 KNOB = SpecKnobs(2, 1, 3)  # the demo's primary knob (steps 2, topk 1, 3 draft tokens)
@@ -79,6 +83,43 @@ def other_image_swap(store, items: list[int]) -> tuple[dict[int, int], int]:
     return swap, alone
 
 
+@torch.no_grad()
+def step0_logprobs(model, s: dict, embeds) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0 of the teacher-forced unroll (the replay's, eagle3/replay/evaluate.teacher_forced_hits) at its loss
+    positions: the drafter's log-probs over the draft vocab [n, V_draft] and the draft index of the target's
+    token there [n]. `embeds`: the input rows when not embed_tokens(input_ids)."""
+    dev = model.fc.weight.device
+    ids = s["input_ids"].long().to(dev)[None]
+    T = ids.shape[1]
+    argmax = s["target_argmax"].long().to(dev)[None]
+    emb = None if embeds is None else shift_left(embeds[None].to(dev), 1, 0)
+    prenorm = model.step(shift_left(ids, 1, 0), model.project_aux(s["aux"].to(dev)[None]),
+                         ttt_position_ids(torch.arange(T, device=dev)[None], 0), TTTCache(), embeds=emb)
+    valid = loss_positions(s["loss_mask"].bool().to(dev)[None], argmax, model.t2d, 0)[0, :T - 1]
+    logp = model.logits(prenorm[:, :T - 1]).float().log_softmax(-1)[0][valid]
+    draft_index = torch.cumsum(model.t2d.long(), 0) - 1
+    return logp, draft_index[argmax[0, 1:]][valid]
+
+
+def step0_shift(model, view, feed: str, reference: list[torch.Tensor] | None) -> tuple[dict, list[torch.Tensor]]:
+    """How the drafter's step-0 prediction at the image sequences' loss positions moves under `feed` (a
+    convention, as `view` presents the rows): the mean log-prob of the target's token, and against `reference`
+    (the same positions' log-probs under the trained feed) the mean total variation and the share of argmax
+    flips. These see a reliance on the image rows that moves no greedy draft (tau and acc0 do not)."""
+    logps, right = [], []
+    for i in range(len(view)):
+        s = view[i]
+        lp, tgt = step0_logprobs(model, s, sequence_embeds(model, view, s, feed))
+        logps.append(lp.cpu())
+        right.append(lp.gather(1, tgt[:, None])[:, 0].cpu())
+    out = {"target_logp": float(torch.cat(right).mean())}
+    if reference is not None:
+        p, q = torch.cat(logps).exp(), torch.cat(reference).exp()
+        out["tv"] = float(0.5 * (p - q).abs().sum(-1).mean())
+        out["argmax_flips"] = float((p.argmax(-1) != q.argmax(-1)).float().mean())
+    return out, logps
+
+
 def train_config(train_dir: Path, steps: int, convention: str, out: Path) -> TrainConfig:
     """The finished run's own config (its manifest), trained `steps` optimizer steps under `convention` into `out`,
     epochs unbounded so `steps` decides."""
@@ -108,13 +149,15 @@ def probe(cfg: TrainConfig, store, items: list[int], swap: dict[int, int]) -> di
     embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     drafter = load_drafter_dir(final, embed_tokens=embed, device=device, dtype="float32").eval()
-    out = {}
-    for served in SERVED:
+    out, reference = {}, None
+    for served in (cfg.image_embeddings, *[x for x in SERVED if x != cfg.image_embeddings]):  # trained feed first
         view = StoreView(store, items, swap if served == "other-image" else None)
-        rep = evaluate_drafter(drafter, view, knobs=[KNOB], ngram=None, progress=False,
-                               image_embeddings="fused" if served == "other-image" else served)
-        out[served] = scores(rep)
-    return {"train_s": round(train_s, 1), "served": out}
+        feed = "fused" if served == "other-image" else served
+        rep = evaluate_drafter(drafter, view, knobs=[KNOB], ngram=None, progress=False, image_embeddings=feed)
+        shift, logps = step0_shift(drafter, view, feed, reference)
+        reference = logps if reference is None else reference
+        out[served] = {**scores(rep), **shift}
+    return {"train_s": round(train_s, 1), "served": {x: out[x] for x in SERVED}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,11 +200,14 @@ def main(argv=None) -> list[dict]:
 
 
 def table(lines: list[dict]) -> str:
-    head = "| steps | trained | " + " | ".join(f"served {s}: tau / acc0" for s in SERVED) + " |"
-    rows = [head, "|" + "---|" * (2 + len(SERVED))]
+    """One row per (steps, trained, served): tau, acc0, the target token's step-0 log-prob, and against the trained
+    feed the step-0 total variation and argmax flips."""
+    rows = ["| steps | trained | served | image tau | image acc0 | target log-prob | TV vs trained feed | argmax flips |",
+            "|---|---|---|---|---|---|---|---|"]
     for x in lines:
-        cells = [f"{x['served'][s]['tau']:.3f} / {x['served'][s]['acc0']:.3f}" for s in SERVED]
-        rows.append(f"| {x['steps']} | {x['trained']} | " + " | ".join(cells) + " |")
+        for served, g in x["served"].items():
+            rows.append(f"| {x['steps']} | {x['trained']} | {served} | {g['tau']:.3f} | {g['acc0']:.3f} | "
+                        f"{g['target_logp']:.4f} | {g.get('tv', 0.0):.5f} | {g.get('argmax_flips', 0.0):.4f} |")
     return "\n".join(rows)
 
 

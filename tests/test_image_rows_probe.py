@@ -51,7 +51,12 @@ def test_probe_trains_both_conventions_and_replays_every_feed(finished_run, tmp_
     for x in lines:
         assert set(x["served"]) == {"fused", "placeholder", "other-image"} and x["image_sequences"] == 4
         for got in x["served"].values():
-            assert got["tau"] >= 1.0 and 0 <= got["acc0"] <= 1
+            assert got["tau"] >= 1.0 and 0 <= got["acc0"] <= 1 and got["target_logp"] < 0
+        own, others = x["served"][x["trained"]], [v for k, v in x["served"].items() if k != x["trained"]]
+        assert "tv" not in own  # the trained feed is the reference
+        # the toy rows are random and 3x the unit scale: swapping them moves the step-0 distribution
+        assert all(0 < v["tv"] <= 1 and 0 <= v["argmax_flips"] <= 1 for v in others)
+        assert any(v["target_logp"] != own["target_logp"] for v in others)
         man = json.loads((tmp_path / "probe" / f"train-3-{x['trained']}" / "manifest.json").read_text())
         assert man["config"]["image_embeddings"] == x["trained"] and man["config"]["max_steps"] == 3
         assert man["config"]["optim"]["lr"] == 3e-3  # the finished run's recipe, not the schema's default
@@ -61,3 +66,28 @@ def test_probe_trains_both_conventions_and_replays_every_feed(finished_run, tmp_
     monkeypatch.setattr("train.loop.run_train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = bench.main(args)
     assert [x["served"] for x in again] == [x["served"] for x in lines]
+
+
+def test_step0_logprobs_are_the_replays_step_0(finished_run):
+    """The probe's step-0 read agrees with the replay's teacher-forced unroll (eagle3/replay/evaluate.py): same
+    positions, and the replay's hits are where the probe's argmax is the target's token (except at a float tie of the top two)."""
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.replay.evaluate import sequence_embeds, teacher_forced_hits
+    from eagle3.target_model.target_io import load_embed_tokens
+
+    bench = load_benchmark("image_rows_probe")
+    world, train_dir = finished_run
+    man = json.loads((train_dir / "manifest.json").read_text())["config"]
+    model = load_drafter_dir(train_dir / "final", embed_tokens=load_embed_tokens(man["target"]["path"],
+                                                                                   man["target"]["layout"]))
+    store = HiddenStateStore(world["capture"] / "validation")
+    for i in range(len(store)):
+        s = store[i]
+        emb = sequence_embeds(model, store, s, "fused")
+        logp, tgt = bench.step0_logprobs(model, s, emb)
+        hits, valid = teacher_forced_hits(model, s["aux"], s["input_ids"], s["target_argmax"], s["loss_mask"], 1, emb)
+        assert logp.shape[0] == tgt.shape[0] == int(valid[0].sum()) > 0
+        assert torch.allclose(logp.exp().sum(-1), torch.ones(len(logp)), atol=1e-4)
+        top2 = logp.topk(2, dim=-1).values
+        near_tie = (top2[:, 0] - top2[:, 1]) < 1e-4  # float noise may decide these either way
+        assert ((logp.argmax(-1) == tgt) == hits[0][valid[0]])[~near_tie].all()
