@@ -166,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a finished K2.5 training run with image traffic (the demo's train-aqmedai_k2)")
     p.add_argument("--steps", type=int, nargs="+", default=[40, 200, 600], help="optimizer steps per trained drafter")
     p.add_argument("--out", type=Path, required=True, help="where the probe's training runs go (reused when finished)")
+    p.add_argument("--split", default="", help="the store the drafters are replayed on (default: the run's "
+                   "validation split; its training split reads the mechanism on more sequences, ones it trained on)")
     p.add_argument("--json", type=Path, default=None, help="append the result lines here")
     return p.parse_args(argv)
 
@@ -175,7 +177,8 @@ def main(argv=None) -> list[dict]:
 
     a = parse_args(argv)
     base = to_schema(read_manifest(a.train_dir, "train")["config"], TrainConfig)
-    store = HiddenStateStore(Path(base.capture_dir) / base.data.val_split)
+    split = a.split or base.data.val_split
+    store = HiddenStateStore(Path(base.capture_dir) / split)
     if not store.has_fused_image_rows:
         raise SystemExit(f"{store.dir}: no fused image rows (image_rows={store.image_rows!r}); the probe needs an "
                          "HF image capture")
@@ -187,7 +190,8 @@ def main(argv=None) -> list[dict]:
     for steps in a.steps:
         for trained in CONVENTIONS:
             cfg = train_config(a.train_dir, steps, trained, a.out / f"train-{steps}-{trained}")
-            line = {"steps": steps, "trained": trained, "image_sequences": len(items), "no_donor": alone,
+            line = {"steps": steps, "trained": trained, "split": split, "image_sequences": len(items),
+                    "no_donor": alone,
                     "knob": KNOB.label, **probe(cfg, store, items, swap)}
             print(json.dumps(line), flush=True)
             if a.json:

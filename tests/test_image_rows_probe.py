@@ -66,6 +66,9 @@ def test_probe_trains_both_conventions_and_replays_every_feed(finished_run, tmp_
     monkeypatch.setattr("train.loop.run_train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = bench.main(args)
     assert [x["served"] for x in again] == [x["served"] for x in lines]
+    on_train = bench.main([*args, "--split", "train"])  # the training split: 12 image sequences, same drafters
+    assert [(x["split"], x["image_sequences"]) for x in on_train] == [("train", 12)] * 2
+    assert lines[0]["split"] == "validation"
 
 
 def test_step0_logprobs_are_the_replays_step_0(finished_run):
