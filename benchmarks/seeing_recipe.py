@@ -51,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tower-heads", type=int, default=2)
     p.add_argument("--tower-intermediate", type=int, default=64)
     p.add_argument("--freeze-lm", type=int, default=0, help="first train tower + projector alone for N steps")
+    p.add_argument("--freeze-tower", action="store_true",
+                   help="keep the fresh tower as drawn (random features); the projector and the LM train")
+    p.add_argument("--linear-probe", type=int, default=0, metavar="N",
+                   help="before and after training, fit linear probes of colour / count / shape on the projector "
+                        "rows of N seeded scenes (3/4 fit, 1/4 scored): what the rows carry, whether the LM reads it")
     p.add_argument("--kinds", default="", help="train only on these question kinds (comma list); all are scored")
     p.add_argument("--text-blocks", type=int, default=0, help="K2.5 text blocks per step (needs the world's corpus)")
     p.add_argument("--text-weight", type=float, default=1.0, help="the text blocks' loss weight")
@@ -77,6 +82,59 @@ def training_pool(tok, a: argparse.Namespace) -> list:
                  for k in rng.sample(kinds, rng.randint(1, min(2, len(kinds))))]
         pool.append(eyes.encode_example(tok, turns, scenes.png(scenes.draw_scene(scene, a.size))))
     return pool
+
+
+PROBED = {"colour": lambda s: sorted(scenes.COLOURS).index(s.colour), "count": lambda s: s.count - 1,
+          "shape": lambda s: scenes.SHAPES.index(s.shape)}
+
+
+@torch.no_grad()
+def projector_rows(wrapper, shown: list, size: int) -> torch.Tensor:
+    """The projector's rows of each scene, concatenated: [len(shown), rows x hidden] (fp32)."""
+    from eagle3.target_model.target_images import image_features
+
+    out = []
+    for i in range(0, len(shown), 64):
+        pngs = [scenes.png(scenes.draw_scene(s, size)) for s in shown[i:i + 64]]
+        pv, thw = eyes.pixel_batch(pngs)
+        out.append(image_features(wrapper, pv, thw).reshape(len(pngs), -1).float())
+    return torch.cat(out)
+
+
+def linear_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 500, seed: int = 0) -> float:
+    """Held-out accuracy of a linear classifier (softmax regression, standardised inputs, small L2) fitted on the
+    first 3/4 of the rows and scored on the last 1/4."""
+    cut = max(1, 3 * len(y) // 4)
+    mu, sd = x[:cut].mean(0), x[:cut].std(0) + 1e-6
+    z = (x - mu) / sd
+    g = torch.Generator().manual_seed(seed)
+    w = (0.01 * torch.randn(z.shape[1], classes, generator=g)).requires_grad_()
+    b = torch.zeros(classes, requires_grad=True)
+    opt = torch.optim.Adam([w, b], lr=1e-2)
+    with torch.enable_grad():
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(z[:cut] @ w + b, y[:cut]) + 1e-3 * w.square().sum()
+            loss.backward()
+            opt.step()
+    return float(((z[cut:] @ w + b).argmax(-1) == y[cut:]).float().mean())
+
+
+def probe_rows(wrapper, a: argparse.Namespace) -> dict:
+    """{kind: held-out linear-probe accuracy} of colour, count and shape from the projector rows of
+    `--linear-probe` scenes (their own seed: neither the training pool's nor the scored scenes')."""
+    rng = random.Random(a.seed + 77)
+    shown = [scenes.random_scene(rng) for _ in range(a.linear_probe)]
+    x = projector_rows(wrapper, shown, a.size)
+    return {kind: round(linear_probe(x, torch.tensor([fact(s) for s in shown]), n), 3)
+            for kind, fact, n in ((k, f, len(c)) for (k, f), c in
+                                  zip(PROBED.items(), (scenes.COLOURS, range(3), scenes.SHAPES)))}
+
+
+def set_trainable(wrapper, *, lm: bool, tower: bool) -> None:
+    """Which parts train: the LM (and lm_head), the vision tower; the projector always."""
+    for name, p in wrapper.named_parameters():
+        p.requires_grad = (tower if ".vision_tower." in f".{name}" else True) if eyes.is_vision_param(name) else lm
 
 
 def recipe(a: argparse.Namespace, steps: int) -> MiniVisionConf:
@@ -123,13 +181,16 @@ def main(argv=None) -> dict:
     pool = training_pool(tok, a)
     blocks = text_blocks(world, tok, a.text_blocks, MiniVisionConf().train.seq_len)
     cpu = torch.device("cpu")
+    probed_before = None
+    if a.linear_probe:  # the rows training starts from: train_seeing calms the fresh tower first (idempotent)
+        eyes.calm_position_table(wrapper)
+        probed_before = probe_rows(wrapper, a)
+    tower_start = [p.detach().clone() for p in wrapper.model.vision_tower.parameters()]
     t0 = time.perf_counter()
-    if a.freeze_lm:
-        for name, p in wrapper.named_parameters():
-            p.requires_grad = eyes.is_vision_param(name)
+    if a.freeze_lm:  # a first phase: the LM frozen (and the tower too under --freeze-tower)
+        set_trainable(wrapper, lm=False, tower=not a.freeze_tower)
         eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_lm), seed=a.seed + 3, device=cpu)
-        for p in wrapper.parameters():
-            p.requires_grad = True
+    set_trainable(wrapper, lm=True, tower=not a.freeze_tower)
     stats = eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.steps), seed=a.seed + 3, device=cpu)
     seconds = time.perf_counter() - t0
     rng = random.Random(a.seed + 99)
@@ -138,6 +199,10 @@ def main(argv=None) -> dict:
     out = {"tag": a.tag, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "train_s": round(seconds, 1), "first_image_loss": round(stats["first_image_loss"], 4),
            "final_image_loss": round(stats["final_image_loss"], 4), **scored}
+    moved = sum(float((p.detach() - q).square().sum()) for p, q in zip(wrapper.model.vision_tower.parameters(), tower_start))
+    out["tower_moved"] = round((moved / sum(float(q.square().sum()) for q in tower_start)) ** 0.5, 4)  # |dW| / |W|
+    if a.linear_probe:
+        out["linear_probe"] = {"before": probed_before, "after": probe_rows(wrapper, a)}
     if a.text_blocks:  # the joint loss less the image loss, unweighted: how the LM keeps its text
         out["first_text_loss"] = round((stats["first_loss"] - stats["first_image_loss"]) / a.text_weight, 4)
         out["final_text_loss"] = round((stats["final_loss"] - stats["final_image_loss"]) / a.text_weight, 4)

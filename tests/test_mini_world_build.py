@@ -200,7 +200,8 @@ def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny
     """benchmarks/seeing_recipe.py through its real path on the tiny world: a fresh tower, a frozen-LM phase then
     joint steps, one result line per run with every question kind scored; text blocks from the world's corpus
     (their loss reported unweighted); --kinds restricts the training questions; an unknown kind is refused naming
-    the known ones."""
+    the known ones. --freeze-tower leaves every tower weight as drawn; --linear-probe reads colour / count / shape off
+    the projector rows before and after (the same rows before, with or without the freeze)."""
     from transformers import AutoTokenizer
 
     from tests.fixtures.benchmarks import load_benchmark
@@ -215,8 +216,15 @@ def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny
     with_text = bench.main([*args, "--tag", "b", "--kinds", "colour", "--text-blocks", "1", "--text-weight", "0.5"])
     assert with_text["args"]["weight_decay"] == MiniVisionConf().train.weight_decay  # the world's own
     assert with_text["first_text_loss"] > 1 and with_text["final_text_loss"] > 1  # the corpus text blocks trained too
+    assert got["tower_moved"] > 0  # the tower trained
+    frozen = bench.main([*args, "--tag", "c", "--freeze-tower", "--linear-probe", "16"])
+    assert frozen["tower_moved"] == 0  # not one tower weight touched (the projector and the LM train)
+    probe = frozen["linear_probe"]
+    assert set(probe) == {"before", "after"} and all(set(p) == {"colour", "count", "shape"} for p in probe.values())
+    assert all(0 <= v <= 1 for p in probe.values() for v in p.values())
+    assert probe["before"] == bench.main([*args, "--tag", "d", "--linear-probe", "16"])["linear_probe"]["before"]
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert [x["tag"] for x in lines] == ["a", "b"]
+    assert [x["tag"] for x in lines] == ["a", "b", "c", "d"]
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     a = bench.parse_args([*args, "--kinds", "colour"])
     for ex in bench.training_pool(tok, a):
