@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tower-heads", type=int, default=2)
     p.add_argument("--tower-intermediate", type=int, default=64)
     p.add_argument("--freeze-lm", type=int, default=0, help="first train tower + projector alone for N steps")
+    p.add_argument("--tower-lr-scale", type=float, default=MiniVisionConf().tower_lr_scale,
+                   help="the tower's lr x the vision lr (the projector keeps the vision lr)")
     p.add_argument("--freeze-tower", action="store_true",
                    help="keep the fresh tower as drawn (random features); the projector and the LM train")
     p.add_argument("--linear-probe", type=int, default=0, metavar="N",
@@ -134,7 +136,7 @@ def probe_rows(wrapper, a: argparse.Namespace) -> dict:
 def set_trainable(wrapper, *, lm: bool, tower: bool) -> None:
     """Which parts train: the LM (and lm_head), the vision tower; the projector always."""
     for name, p in wrapper.named_parameters():
-        p.requires_grad = (tower if ".vision_tower." in f".{name}" else True) if eyes.is_vision_param(name) else lm
+        p.requires_grad = (tower if eyes.is_tower_param(name) else True) if eyes.is_vision_param(name) else lm
 
 
 def recipe(a: argparse.Namespace, steps: int) -> MiniVisionConf:
@@ -144,6 +146,7 @@ def recipe(a: argparse.Namespace, steps: int) -> MiniVisionConf:
     train = replace(base.train, steps=steps, lr=a.lr, warmup_steps=max(1, steps // 10), batch_size=a.batch,
                     weight_decay=a.weight_decay)
     return replace(base, train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale,
+                   tower_lr_scale=a.tower_lr_scale,
                    text_loss_weight=a.text_weight)
 
 

@@ -120,3 +120,6 @@ def test_bad_vision_settings_are_refused(tmp_path):
         cfg("vision.hidden_size=30", "vision.num_attention_heads=4")
     with pytest.raises(ConfigError, match="text_loss_weight must be > 0"):
         cfg("vision.text_loss_weight=0")
+    with pytest.raises(ConfigError, match="tower_lr_scale must be >= 0"):
+        cfg("vision.tower_lr_scale=-0.1")
+    assert cfg("vision.tower_lr_scale=0").vision.tower_lr_scale == 0

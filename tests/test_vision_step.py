@@ -125,3 +125,36 @@ def test_a_non_finite_loss_fails_the_run_naming_its_step():
     stats = optimise(torch.nn.Linear(2, 1), cfg, lambda step: torch.tensor(float(step), requires_grad=True),
                      desc="t", check_every=4)
     assert stats["first_loss"] == 0.0 and stats["final_loss"] == 5.0
+
+
+def test_tower_lr_scale_zero_keeps_the_tower_as_drawn_and_trains_the_rest(seeing_setup):
+    """vision.tower_lr_scale through the world's own train_seeing: 0 leaves every tower weight as drawn while the
+    projector and the LM train; the default (1) trains the tower too. The per-parameter rates: tower
+    vision x tower scale, projector vision scale, LM 1."""
+    from dataclasses import replace
+
+    from eagle3.config.schema.mini_world import MiniVisionConf
+
+    tok, wrapper, pool, blocks = seeing_setup
+    base = MiniVisionConf()
+    conf = replace(base, train=replace(base.train, steps=3, batch_size=4, warmup_steps=1), text_batch_size=2,
+                   vision_lr_scale=2.0)
+
+    start = copy.deepcopy(wrapper)
+    eyes.calm_position_table(start)  # what train_seeing starts from (it calms the tower first)
+    before = start.state_dict()
+
+    def trained(tower_scale):
+        model = copy.deepcopy(wrapper)
+        eyes.train_seeing(model, tok, pool, blocks, replace(conf, tower_lr_scale=tower_scale), seed=3,
+                          device=torch.device("cpu"))
+        return {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+
+    frozen, moving = trained(0.0), trained(1.0)
+    assert not any(".vision_tower." in k for k in frozen)
+    assert any(".mm_projector." in k for k in frozen) and any("language_model" in k for k in frozen)
+    assert any(".vision_tower." in k for k in moving)
+    c = replace(conf, tower_lr_scale=0.25)
+    assert eyes.vision_lr_scale("model.vision_tower.encoder.blocks.0.wqkv.weight", c) == 0.5
+    assert eyes.vision_lr_scale("model.mm_projector.out_proj.weight", c) == 2.0
+    assert eyes.vision_lr_scale("model.language_model.layers.0.mlp.gate_proj.weight", c) == 1.0

@@ -123,15 +123,29 @@ def calm_position_table(wrapper, std: float = 0.02) -> None:
         out.bias.mul_(scale)
 
 
+def is_tower_param(name: str) -> bool:
+    return ".vision_tower." in f".{name}"
+
+
 def is_vision_param(name: str) -> bool:
-    return ".vision_tower." in f".{name}" or ".mm_projector." in f".{name}"
+    """The tower's and the projector's parameters (what the world adds to the text model)."""
+    return is_tower_param(name) or ".mm_projector." in f".{name}"
+
+
+def vision_lr_scale(name: str, cfg) -> float:
+    """A parameter's learning rate as a multiple of the LM's: the tower `vision_lr_scale` x `tower_lr_scale`, the
+    projector `vision_lr_scale`, the LM 1."""
+    if not is_vision_param(name):
+        return 1.0
+    return cfg.vision_lr_scale * cfg.tower_lr_scale if is_tower_param(name) else cfg.vision_lr_scale
 
 
 def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tensor, cfg, *, seed: int,
                  device: torch.device) -> dict:
     """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
     `cfg.text_batch_size` text blocks per step; the loss is the image loss + `cfg.text_loss_weight` x the text
-    loss. The new tower and projector learn at `cfg.vision_lr_scale` x the LM's rate (the LM is trained already).
+    loss. The new tower and projector learn at `cfg.vision_lr_scale` x the LM's rate (the LM is trained already),
+    the tower at `cfg.tower_lr_scale` x that again.
     Returns loss figures."""
     t = cfg.train
     calm_position_table(wrapper)
@@ -143,7 +157,7 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
     step = JointStep(wrapper, pool, text_blocks, tok.pad_token_id, images, texts, device,
                      text_weight=cfg.text_loss_weight)
     stats = optimise(wrapper, t, step, desc=f"k25-mini vision ({device.type})", device=device,
-                     lr_scale=lambda name: cfg.vision_lr_scale if is_vision_param(name) else 1.0)
+                     lr_scale=lambda name: vision_lr_scale(name, cfg))
     image_losses = step.image_losses()
     tail = image_losses[-max(1, len(image_losses) // 10):]
     return {**stats, "image_examples": t.steps * t.batch_size, "first_image_loss": image_losses[0],

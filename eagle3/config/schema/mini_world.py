@@ -109,6 +109,8 @@ class MiniVisionConf:
     corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
     max_turns: int = 2  # questions per image conversation: 1..max_turns
     vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
+    tower_lr_scale: float = 1.0  # the tower's alone, x that (0: the tower stays as drawn; training it erases the
+    # colour its random rows carry, BENCHMARKS.md "Why colour is not read")
     # 1000 joint steps on 2 CPU cores: k25-mini then counts and names the shapes of held-out scenes (60 steps
     # left it blind: one caption for every image); colours and text it does not read at this size (BENCHMARKS.md,
     # "A CPU world that sees")
@@ -123,6 +125,8 @@ class MiniVisionConf:
             raise ConfigError("vision.hidden_size must be a multiple of vision.num_attention_heads")
         if self.vision_lr_scale <= 0:
             raise ConfigError("vision.vision_lr_scale must be > 0")
+        if self.tower_lr_scale < 0:
+            raise ConfigError("vision.tower_lr_scale must be >= 0 (0: the tower stays as drawn)")
         if self.text_loss_weight <= 0:
             raise ConfigError("vision.text_loss_weight must be > 0 (to train without text, set text_batch_size=0)")
         if self.pool_examples < 1 or self.text_batch_size < 0 or self.corpus_every < 2 or not 1 <= self.max_turns <= 5:
