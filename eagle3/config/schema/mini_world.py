@@ -109,8 +109,9 @@ class MiniVisionConf:
     corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
     max_turns: int = 2  # questions per image conversation: 1..max_turns
     vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
-    tower_lr_scale: float = 1.0  # the tower's alone, x that (0: the tower stays as drawn; training it erases the
-    # colour its random rows carry, BENCHMARKS.md "Why colour is not read")
+    tower_lr_scale: float = 1.0  # the tower's alone, x that (0: the tower stays as drawn). Training the tower erases
+    # the colour its random rows carry; a slower one keeps it, but the LM then reads colour only partly in 1000 CPU
+    # steps (BENCHMARKS.md, "Why colour is not read")
     # 1000 joint steps on 2 CPU cores: k25-mini then counts and names the shapes of held-out scenes (60 steps
     # left it blind: one caption for every image); colours and text it does not read at this size (BENCHMARKS.md,
     # "A CPU world that sees")
