@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze-lm", type=int, default=0, help="first train tower + projector alone for N steps")
     p.add_argument("--tower-lr-scale", type=float, default=MiniVisionConf().tower_lr_scale,
                    help="the tower's lr x the vision lr (the projector keeps the vision lr)")
+    p.add_argument("--freeze-tower-first", type=int, default=0, metavar="N",
+                   help="first train N steps with the tower frozen as drawn (the projector and the LM train), then "
+                        "--steps joint steps with the tower at --tower-lr-scale")
     p.add_argument("--freeze-tower", action="store_true",
                    help="keep the fresh tower as drawn (random features); the projector and the LM train")
     p.add_argument("--linear-probe", type=int, default=0, metavar="N",
@@ -190,6 +193,11 @@ def main(argv=None) -> dict:
         probed_before = probe_rows(wrapper, a)
     tower_start = [p.detach().clone() for p in wrapper.model.vision_tower.parameters()]
     t0 = time.perf_counter()
+    if a.freeze_lm and a.freeze_tower_first:
+        raise SystemExit("--freeze-lm and --freeze-tower-first are two kinds of first phase: choose one")
+    if a.freeze_tower_first:  # a first phase: the tower as drawn, the projector and the LM read it (other batches)
+        set_trainable(wrapper, lm=True, tower=False)
+        eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_tower_first), seed=a.seed + 4, device=cpu)
     if a.freeze_lm:  # a first phase: the LM frozen (and the tower too under --freeze-tower)
         set_trainable(wrapper, lm=False, tower=not a.freeze_tower)
         eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_lm), seed=a.seed + 3, device=cpu)
