@@ -110,8 +110,8 @@ class MiniVisionConf:
     max_turns: int = 2  # questions per image conversation: 1..max_turns
     vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
     tower_lr_scale: float = 1.0  # the tower's alone, x that (0: the tower stays as drawn). Training the tower erases
-    # the colour its random rows carry; a slower one keeps it, but the LM then reads colour only partly in 1000 CPU
-    # steps (BENCHMARKS.md, "Why colour is not read")
+    # the colour its random rows carry; frozen (0) over 2000 steps the CPU world reads every fact, a candidate
+    # default not yet switched (BENCHMARKS.md, "Why colour is not read")
     # 1000 joint steps on 2 CPU cores: k25-mini then counts and names the shapes of held-out scenes (60 steps
     # left it blind: one caption for every image); colours and text it does not read at this size (BENCHMARKS.md,
     # "A CPU world that sees")
