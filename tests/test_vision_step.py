@@ -148,6 +148,10 @@ def test_tower_lr_scale_zero_keeps_the_tower_as_drawn_and_trains_the_rest(seeing
         model = copy.deepcopy(wrapper)
         eyes.train_seeing(model, tok, pool, blocks, replace(conf, tower_lr_scale=tower_scale), seed=3,
                           device=torch.device("cpu"))
+        tower = list(model.model.vision_tower.parameters())
+        assert all(p.requires_grad for p in tower)  # the flags are put back after training
+        if tower_scale == 0:
+            assert all(p.grad is None for p in tower)  # left out of the step: no gradient was computed
         return {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
 
     frozen, moving = trained(0.0), trained(1.0)

@@ -145,7 +145,7 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
     """Train the whole wrapper (tower, projector, LM) on `cfg.train.batch_size` image conversations and
     `cfg.text_batch_size` text blocks per step; the loss is the image loss + `cfg.text_loss_weight` x the text
     loss. The new tower and projector learn at `cfg.vision_lr_scale` x the LM's rate (the LM is trained already),
-    the tower at `cfg.tower_lr_scale` x that again.
+    the tower at `cfg.tower_lr_scale` x that again (0: the tower is not trained at all).
     Returns loss figures."""
     t = cfg.train
     calm_position_table(wrapper)
@@ -156,8 +156,18 @@ def train_seeing(wrapper, tok, pool: list[ImageExample], text_blocks: torch.Tens
     # wrapper(**collate(batch)) + the text blocks' loss (data/mini_world/vision_step.py, tests/test_vision_step.py)
     step = JointStep(wrapper, pool, text_blocks, tok.pad_token_id, images, texts, device,
                      text_weight=cfg.text_loss_weight)
-    stats = optimise(wrapper, t, step, desc=f"k25-mini vision ({device.type})", device=device,
-                     lr_scale=lambda name: vision_lr_scale(name, cfg))
+    # tower_lr_scale=0: the tower is left out of the step (no gradients, not in the optimizer or the clip's norm),
+    # as the measured frozen-tower runs did (benchmarks/seeing_recipe.py --freeze-tower)
+    held = [p for n, p in wrapper.named_parameters() if is_tower_param(n) and p.requires_grad] \
+        if cfg.tower_lr_scale == 0 else []
+    for p in held:
+        p.requires_grad = False
+    try:
+        stats = optimise(wrapper, t, step, desc=f"k25-mini vision ({device.type})", device=device,
+                         lr_scale=lambda name: vision_lr_scale(name, cfg))
+    finally:
+        for p in held:
+            p.requires_grad = True
     image_losses = step.image_losses()
     tail = image_losses[-max(1, len(image_losses) // 10):]
     return {**stats, "image_examples": t.steps * t.batch_size, "first_image_loss": image_losses[0],
