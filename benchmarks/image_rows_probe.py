@@ -34,6 +34,7 @@ import torch
 from eagle3.config.conf import to_schema
 from eagle3.config.schema.train import TrainConfig
 from eagle3.drafter.image_embeddings import CONVENTIONS
+from eagle3.drafter.vocab_map import draft_index_from_t2d
 from eagle3.formats.manifest import read_manifest
 from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.replay.evaluate import evaluate_drafter, sequence_embeds, traffic_of
@@ -97,8 +98,7 @@ def step0_logprobs(model, s: dict, embeds) -> tuple[torch.Tensor, torch.Tensor]:
                          ttt_position_ids(torch.arange(T, device=dev)[None], 0), TTTCache(), embeds=emb)
     valid = loss_positions(s["loss_mask"].bool().to(dev)[None], argmax, model.t2d, 0)[0, :T - 1]
     logp = model.logits(prenorm[:, :T - 1]).float().log_softmax(-1)[0][valid]
-    draft_index = torch.cumsum(model.t2d.long(), 0) - 1
-    return logp, draft_index[argmax[0, 1:]][valid]
+    return logp, draft_index_from_t2d(model.t2d)[argmax[0, 1:]][valid]  # valid: the target's token is in the draft vocab
 
 
 def step0_shift(model, view, feed: str, reference: list[torch.Tensor] | None) -> tuple[dict, list[torch.Tensor]]:

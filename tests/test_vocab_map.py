@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, ids_from_d2t, mapping_problems,
+from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, draft_index_from_t2d,
+                                      ids_from_d2t, mapping_problems,
                                       masked_token_counts, order_problems, t2d_from_ids, top_n_vocab, validate_mapping)
 
 
@@ -48,6 +49,9 @@ def test_d2t_offset_convention_matches_sglang_hot_token_ids():
     assert t2d.dtype == torch.bool and t2d.shape == (25,)
     assert torch.nonzero(t2d).flatten().tolist() == [3, 7, 8, 20]
     assert validate_mapping(d2t, t2d, 25).tolist() == ids.tolist()
+    index = draft_index_from_t2d(t2d)  # target id -> draft id: the inverse of ids_from_d2t
+    assert index[ids].tolist() == [0, 1, 2, 3] and index.dtype == torch.int64
+    assert int((index == -1).sum()) == 25 - 4 and index[ids_from_d2t(d2t)].tolist() == list(range(4))
 
 
 def test_validation_catches_inconsistent_mappings():

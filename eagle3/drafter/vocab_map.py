@@ -56,6 +56,13 @@ def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device)
 
 
+def draft_index_from_t2d(t2d: torch.Tensor) -> torch.Tensor:
+    """Draft id of every target id [V] (-1 where t2d is False): draft ids are the draft vocab's target ids in
+    ascending order, so a target id's draft id is its rank among the True entries. Inverse of ids_from_d2t."""
+    index = torch.cumsum(t2d.long(), 0) - 1
+    return torch.where(t2d.bool(), index, torch.full_like(index, -1))
+
+
 def t2d_from_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool mask [V], True at the target ids in the draft vocab."""
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
