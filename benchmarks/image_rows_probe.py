@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -120,10 +119,9 @@ def step0_shift(model, view, feed: str, reference: list[torch.Tensor] | None) ->
     return out, logps
 
 
-def train_config(train_dir: Path, steps: int, convention: str, out: Path) -> TrainConfig:
-    """The finished run's own config (its manifest), trained `steps` optimizer steps under `convention` into `out`,
-    epochs unbounded so `steps` decides."""
-    cfg = to_schema(read_manifest(train_dir, "train")["config"], TrainConfig)
+def train_config(cfg: TrainConfig, steps: int, convention: str, out: Path) -> TrainConfig:
+    """The finished run's own config `cfg` (its manifest's), trained `steps` optimizer steps under `convention` into
+    `out`, epochs unbounded so `steps` decides."""
     return replace(cfg, max_steps=steps, epochs=None, image_embeddings=convention, out_dir=str(out),
                    val_every=0, val_accept_sequences=0, progress=False,
                    wandb=replace(cfg.wandb, mode="disabled"))
@@ -184,15 +182,14 @@ def main(argv=None) -> list[dict]:
                          "HF image capture")
     items = image_items(store)
     if not items:
-        raise SystemExit(f"{store.dir}: no image-traffic sequences in the validation store")
+        raise SystemExit(f"{store.dir}: no image-traffic sequences in the {split} store")
     swap, alone = other_image_swap(store, items)
     lines = []
     for steps in a.steps:
         for trained in CONVENTIONS:
-            cfg = train_config(a.train_dir, steps, trained, a.out / f"train-{steps}-{trained}")
+            cfg = train_config(base, steps, trained, a.out / f"train-{steps}-{trained}")
             line = {"steps": steps, "trained": trained, "split": split, "image_sequences": len(items),
-                    "no_donor": alone,
-                    "knob": KNOB.label, **probe(cfg, store, items, swap)}
+                    "no_donor": alone, "knob": KNOB.label, **probe(cfg, store, items, swap)}
             print(json.dumps(line), flush=True)
             if a.json:
                 a.json.parent.mkdir(parents=True, exist_ok=True)
