@@ -18,6 +18,7 @@ start).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -136,20 +137,30 @@ def probe_rows(wrapper, a: argparse.Namespace) -> dict:
                                   zip(PROBED.items(), (scenes.COLOURS, range(3), scenes.SHAPES)))}
 
 
-def set_trainable(wrapper, *, lm: bool, tower: bool) -> None:
-    """Which parts train: the LM (and lm_head), the vision tower; the projector always."""
+def calmed_tower(wrapper) -> list[torch.Tensor]:
+    """The tower's weights as training starts from them: train_seeing first calms the wrapper's fresh tower
+    (eyes.calm_position_table), which is not a move of the tower's, so `tower_moved` measures from here."""
+    ref = copy.deepcopy(wrapper)
+    eyes.calm_position_table(ref)
+    return [p.detach().clone() for p in ref.model.vision_tower.parameters()]
+
+
+def set_lm_trainable(wrapper, on: bool) -> None:
+    """Whether the LM (and lm_head) trains; the tower and the projector are left as they are."""
     for name, p in wrapper.named_parameters():
-        p.requires_grad = (tower if eyes.is_tower_param(name) else True) if eyes.is_vision_param(name) else lm
+        if not eyes.is_vision_param(name):
+            p.requires_grad = on
 
 
-def recipe(a: argparse.Namespace, steps: int) -> MiniVisionConf:
+def recipe(a: argparse.Namespace, steps: int, tower_frozen: bool = False) -> MiniVisionConf:
     """The world's vision config (the schema's defaults: weight decay, clip, lr floor, block length) with this
-    run's knobs, for `steps` steps (warmup a tenth of them)."""
+    run's knobs, for `steps` steps (warmup a tenth of them). A frozen tower (`--freeze-tower`, or `tower_frozen` for
+    one phase) is the world's own tower_lr_scale=0: train_seeing leaves it out of the step."""
     base = MiniVisionConf()
     train = replace(base.train, steps=steps, lr=a.lr, warmup_steps=max(1, steps // 10), batch_size=a.batch,
                     weight_decay=a.weight_decay)
     return replace(base, train=train, text_batch_size=a.text_blocks, vision_lr_scale=a.vision_lr_scale,
-                   tower_lr_scale=a.tower_lr_scale,
+                   tower_lr_scale=0.0 if tower_frozen or a.freeze_tower else a.tower_lr_scale,
                    text_loss_weight=a.text_weight)
 
 
@@ -191,17 +202,17 @@ def main(argv=None) -> dict:
     if a.linear_probe:  # the rows training starts from: train_seeing calms the fresh tower first (idempotent)
         eyes.calm_position_table(wrapper)
         probed_before = probe_rows(wrapper, a)
-    tower_start = [p.detach().clone() for p in wrapper.model.vision_tower.parameters()]
+    tower_start = calmed_tower(wrapper)
     t0 = time.perf_counter()
     if a.freeze_lm and a.freeze_tower_first:
         raise SystemExit("--freeze-lm and --freeze-tower-first are two kinds of first phase: choose one")
     if a.freeze_tower_first:  # a first phase: the tower as drawn, the projector and the LM read it (other batches)
-        set_trainable(wrapper, lm=True, tower=False)
-        eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_tower_first), seed=a.seed + 4, device=cpu)
+        eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_tower_first, tower_frozen=True),
+                          seed=a.seed + 4, device=cpu)
     if a.freeze_lm:  # a first phase: the LM frozen (and the tower too under --freeze-tower)
-        set_trainable(wrapper, lm=False, tower=not a.freeze_tower)
+        set_lm_trainable(wrapper, False)
         eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.freeze_lm), seed=a.seed + 3, device=cpu)
-    set_trainable(wrapper, lm=True, tower=not a.freeze_tower)
+        set_lm_trainable(wrapper, True)
     stats = eyes.train_seeing(wrapper, tok, pool, blocks, recipe(a, a.steps), seed=a.seed + 3, device=cpu)
     seconds = time.perf_counter() - t0
     rng = random.Random(a.seed + 99)

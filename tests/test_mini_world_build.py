@@ -225,10 +225,12 @@ def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny
     assert probe["before"] == bench.main([*args, "--tag", "d", "--linear-probe", "16"])["linear_probe"]["before"]
     phased = bench.main([*args, "--freeze-lm", "0", "--tag", "e", "--freeze-tower-first", "1", "--tower-lr-scale", "0.5"])
     assert phased["tower_moved"] > 0  # the tower waits one step, then trains
+    unprobed = bench.main([*args, "--tag", "f", "--freeze-tower"])  # without the probe's calming before the snapshot
+    assert unprobed["tower_moved"] == 0
     with pytest.raises(SystemExit, match="choose one"):
         bench.main([*args, "--freeze-tower-first", "1"])
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert [x["tag"] for x in lines] == ["a", "b", "c", "d", "e"]
+    assert [x["tag"] for x in lines] == ["a", "b", "c", "d", "e", "f"]
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     a = bench.parse_args([*args, "--kinds", "colour"])
     for ex in bench.training_pool(tok, a):
