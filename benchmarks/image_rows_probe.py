@@ -133,10 +133,10 @@ def scores(report: dict) -> dict:
     return {"tau": float(tau), "acc0": float(part["accuracy"]["step_accuracy"][0])}
 
 
-def probe(cfg: TrainConfig, store, items: list[int], swap: dict[int, int]) -> dict:
-    """Train (reusing a finished run of the same config), load, and replay under every served feed."""
+def probe(cfg: TrainConfig, embed: torch.Tensor, store, items: list[int], swap: dict[int, int]) -> dict:
+    """Train (reusing a finished run of the same config), load (with the target's `embed` table), and replay
+    under every served feed."""
     from eagle3.drafter.drafter_io import load_drafter_dir
-    from eagle3.target_model.target_io import load_embed_tokens
     from train.loop import run_train
 
     t = time.time()
@@ -144,7 +144,6 @@ def probe(cfg: TrainConfig, store, items: list[int], swap: dict[int, int]) -> di
     if not (final / "config.json").is_file():
         run_train(cfg)
     train_s = time.time() - t
-    embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     drafter = load_drafter_dir(final, embed_tokens=embed, device=device, dtype="float32").eval()
     out, reference = {}, None
@@ -172,6 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[dict]:
     from eagle3.formats.store import HiddenStateStore
+    from eagle3.target_model.target_io import load_embed_tokens
 
     a = parse_args(argv)
     base = to_schema(read_manifest(a.train_dir, "train")["config"], TrainConfig)
@@ -184,12 +184,13 @@ def main(argv=None) -> list[dict]:
     if not items:
         raise SystemExit(f"{store.dir}: no image-traffic sequences in the {split} store")
     swap, alone = other_image_swap(store, items)
+    embed = load_embed_tokens(base.target.path, base.target.layout)  # one target for every drafter
     lines = []
     for steps in a.steps:
         for trained in CONVENTIONS:
             cfg = train_config(base, steps, trained, a.out / f"train-{steps}-{trained}")
             line = {"steps": steps, "trained": trained, "split": split, "image_sequences": len(items),
-                    "no_donor": alone, "knob": KNOB.label, **probe(cfg, store, items, swap)}
+                    "no_donor": alone, "knob": KNOB.label, **probe(cfg, embed, store, items, swap)}
             print(json.dumps(line), flush=True)
             if a.json:
                 a.json.parent.mkdir(parents=True, exist_ok=True)
