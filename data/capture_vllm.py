@@ -268,6 +268,14 @@ def clean_storage(storage_dir: Path) -> tuple[int, int]:
     return len(stale) - len(live), len(live)
 
 
+def unaccounted_files(storage_dir: Path, expected: list[str]) -> list[str]:
+    """Connector files (or their locks) in `storage_dir` other than `expected` (paths of files whose
+    writers were still live): after a split, any such file is one this run read and failed to delete."""
+    names = {Path(p).name for p in expected}
+    names |= {n + vllm_protocol.LOCK_SUFFIX for n in names}
+    return [str(p) for p in vllm_protocol.leftover_files(storage_dir) if p.name not in names]
+
+
 def sweep(deferred: list[str], wait_s: float = 0.0) -> list[str]:
     """Delete the files of `deferred` whose writers have released their locks (waiting up to `wait_s`
     for each); returns those still being written (left for the next sweep or the next run's clean-up)."""
@@ -281,16 +289,17 @@ def sweep(deferred: list[str], wait_s: float = 0.0) -> list[str]:
 
 
 def _read(engine, setup: VllmSetup, x: torch.Tensor, request, path: str, H: int, cfg, stats: dict,
-          deferred: list[str]) -> torch.Tensor:
-    """The sequence's [T, num_ids, H] states; a missing / truncated / still-locked file is asked for
-    again. A file whose writer still holds the lock is not deleted (the writer would leave it behind
+          deferred: list[str]) -> tuple[torch.Tensor, str]:
+    """The sequence's [T, num_ids, H] states and the path of the file they were read from (a re-request
+    answers with a new file: that one, not the first, is the caller's to delete); a missing / truncated /
+    still-locked file is asked for again. A file whose writer still holds the lock is not deleted (the writer would leave it behind
     with no lock): it goes to `deferred`, swept once the writer releases it."""
     for attempt in range(cfg.vllm.retries + 1):
         try:
             if Path(path).parent.resolve() != setup.storage_dir:
                 raise CaptureError(f"the engine wrote {path}, outside {setup.storage_dir}: it was started for other "
                                    f"layer ids or another directory; restart it with: {setup.serve_command}")
-            return vllm_protocol.read_states_file(path, x, len(setup.ids), H, cfg.vllm.lock_timeout_s)
+            return vllm_protocol.read_states_file(path, x, len(setup.ids), H, cfg.vllm.lock_timeout_s), path
         except vllm_protocol.ConnectorFileError as e:
             if not vllm_protocol.remove_states_file(path):
                 deferred.append(path)
@@ -316,6 +325,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
 
     store_dtype = torch_dtype(cfg.dtype)
     removed, live = clean_storage(setup.storage_dir)
+    live_at_start = [str(p) for p in vllm_protocol.leftover_files(setup.storage_dir)]  # an old run's live writers
     if removed or live:
         print(f"[capture] deleted {removed} connector files an interrupted run left in {setup.storage_dir}"
               + (f"; {live} still being written by the engine are left for the next run" if live else ""))
@@ -323,7 +333,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
     batches = make_batches(seqs, cfg.max_tokens_per_batch)
     todo = [[s for s in b if s.id not in writer.done_ids] for b in batches]
     todo = [b for b in todo if b]
-    stats = {"re_requested": 0, "engine_token_agrees": 0, "engine_token_checked": 0, "image_requests": 0,
+    stats = {"re_requested": 0, "files_deleted": 0, "engine_token_agrees": 0, "engine_token_checked": 0, "image_requests": 0,
              "image_skips": {}}
     deferred: list[str] = []  # files whose writers held the lock past vllm.lock_timeout_s
     non_finite: list[str] = []
@@ -352,7 +362,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                     continue
                 path, greedy, _ = reply
                 try:
-                    hs = _read(engine, setup, x, requests[k], path, H, cfg, stats, deferred)  # [T, num_ids, H]
+                    hs, path = _read(engine, setup, x, requests[k], path, H, cfg, stats, deferred)  # [T, num_ids, H]
                 except CaptureError:
                     for later in sent[sent.index(k) + 1:]:  # a file still being written stays for the next run
                         if not isinstance(replies[later], RequestRefused):
@@ -370,11 +380,18 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                     writer.skip(s.id, "non_finite")
                     non_finite.append(s.id)
                     print(f"[capture] skipped: {NonFiniteHiddenStateError(s.id, 'aux/last')}")
-                vllm_protocol.remove_states_file(path)
+                if vllm_protocol.remove_states_file(path):
+                    stats["files_deleted"] += 1
+                else:  # unreachable after a successful read (the lock was free); swept, never left silently
+                    deferred.append(path)
                 done += 1
             bar.update(sum(s.length for s in batch))
             deferred = sweep(deferred)
     deferred = sweep(deferred, cfg.vllm.lock_timeout_s)
+    left = unaccounted_files(setup.storage_dir, deferred + live_at_start)
+    if left:  # every file this split read was deleted above: one left here is a bookkeeping bug, not the engine's
+        raise CaptureError(f"{len(left)} connector files this run read were left in {setup.storage_dir} (first: "
+                           f"{left[0]}); everything committed is kept: rerun to resume")
     if deferred:
         print(f"[capture] {len(deferred)} connector files are still being written by the engine (their writers "
               f"hold the lock): left in {setup.storage_dir} for the next run's clean-up")

@@ -187,7 +187,11 @@ def test_a_missing_or_truncated_file_is_asked_for_again_or_stops_resumably(tmp_p
     cmd = serve_command_of(cfg)
     with StandinServer.from_command(cmd, "kimi_k25", Faults(**{fault: {3}})):
         out = run_capture(cfg, Dist())
-    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["this_run"]["re_requested"] == 1
+    run = json.loads((out / "manifest.json").read_text())["splits"]["train"]["this_run"]
+    assert run["re_requested"] == 1
+    # the re-requested file is the one read, so it is the one deleted: one file deleted per stored sequence
+    assert run["files_deleted"] == len(HiddenStateStore(out / "train"))
+    assert_no_connector_files(cfg)
     assert_same_store(hf_store, out)
     strict = vllm_config(tmp_path, targets, prepared, out="strict", port=cfg.vllm.url.rsplit(":", 1)[1],
                          overrides=["vllm.retries=0"])
