@@ -14,7 +14,7 @@ import torch
 
 from eagle3.engines import aux_layers
 from eagle3.engines import serve_protocol as sp
-from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, acceptance_by_position, build_sglang_tree, replay_sequence
 from eagle3.real_loop.check import capture_sequence
 from eagle3.replay.drafter_session import SequenceDrafter
 
@@ -69,8 +69,7 @@ def compare_server(replay: GenerationReplay, prompts: list[list[int]], records: 
     gap = served - total.accept_length
     _, se = _mean_se(diffs)
     noise = gap_sigmas * (se if se == se else 0.0)
-    served_pos = ([a / counts.verify_steps for a in counts.per_position]
-                  if counts.per_position and counts.verify_steps else None)
+    served_pos = acceptance_by_position(counts.per_position, counts.verify_steps) if counts.per_position else None
     return {"knobs": knobs.label, "requests": len(records),
             "served_pooled": served, "replay_pooled": total.accept_length,
             "served_per_request_mean": _mean_se(served_req)[0], "replay_per_request_mean": _mean_se(replay_req)[0],

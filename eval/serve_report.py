@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.engines import serve_protocol as sp
+from eagle3.replay.accept_sim import acceptance_by_position
 from eagle3.replay.cost_fit import CostFit, CyclePoint
 from eagle3.replay.cost_model import Latencies
 
@@ -51,7 +52,7 @@ def aggregate(records: list[dict], expected: int, attempts: list[dict]) -> dict:
             "decode_per_request_mean": _mean(c.decode_tokens_per_verify for c in specs),
             "engine_per_request_mean": _mean(c.engine_accept_length for c in specs),
             "labels": ACCEPT_LABELS, "naming": p.naming, "verify_steps": p.verify_steps}
-        out["acceptance_by_position"] = ([a / p.verify_steps for a in p.per_position]
+        out["acceptance_by_position"] = (acceptance_by_position(p.per_position, p.verify_steps)
                                          if p.per_position and p.verify_steps else None)
     return out
 

@@ -60,7 +60,11 @@ def test_chain_hand_made_drafters(knobs):
     always = replay_oracle(ids, mask, argmax, knobs, right=99)
     assert always.cycles == expected_chain_tokens(n_tokens, knobs.num_steps + 1)
     assert always.emitted_hist[knobs.num_steps] == n_tokens // (knobs.num_steps + 1)
-    assert always.acceptance_by_position() == [1.0] * knobs.num_steps
+    # every draft is accepted, except the depths the last cycle, cut by the segment end, never drafted:
+    # they count against it (accepted / drafts, the engines' rule)
+    last = n_tokens % (knobs.num_steps + 1) or knobs.num_steps + 1
+    assert always.acceptance_by_position() == [
+        (always.cycles - int(j >= last)) / always.cycles for j in range(knobs.num_steps)]
 
 
 def test_chain_rates_without_truncation_are_exact():
@@ -217,3 +221,13 @@ def test_chain_runs_replay_equals_tree_replay():
     tree = replay_sequence(ids, mask, argmax, propose, knobs.max_depth)
     runs = replay_chain_runs(ids, mask, argmax, leading_hits(hits), knobs.max_depth)
     assert runs.to_dict() == tree.to_dict() and 1.5 < runs.accept_length < 4
+
+
+def test_per_position_divides_by_every_draft_as_the_engines_do():
+    """A cycle cut short by the end of its sequence still counts as a draft at every depth (vLLM's
+    num_accepted_tokens_per_pos / num_drafts): depths it could not emit are not accepted."""
+    s = AcceptStats(3)
+    s.add_cycle(3, 10)  # full cycle, all three drafts accepted
+    s.add_cycle(3, 2)   # the sequence ends after 2 tokens: depths 1-2 emitted, depth 3 never
+    assert s.acceptance_by_position() == [1.0, 1.0, 0.5]
+    assert s.conditional_acceptance() == [1.0, 1.0, 0.5]

@@ -78,6 +78,8 @@ def assert_served_equals_replay(c: dict) -> None:
     if c["replay_mismatches"] == 0:
         assert c["served_verify_steps"] == c["replay_cycles"]
         assert c["served_pooled"] == pytest.approx(c["replay_pooled"], abs=1e-9) and not c["finding"]
+        if c["served_by_position"] is not None:  # one rule (accepted / drafts) on both sides, last cycles too
+            assert c["served_by_position"] == pytest.approx(c["replay_by_position"], abs=1e-9)
     else:
         assert c["replay_mismatches"] <= 1 and abs(c["gap"]) < 0.2
 

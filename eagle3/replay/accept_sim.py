@@ -34,7 +34,7 @@ SGLang's tree builder. Verification walks the tree greedily from the root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -180,6 +180,14 @@ def greedy_segments(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_arg
     return segs, n_valid, n_valid - sum(ok)
 
 
+def acceptance_by_position(accepted: Sequence[float], drafts: int) -> list[float]:
+    """P(the draft at depth j+1 accepted) per depth: accepted counts over every draft (verify cycle), the
+    rule of vLLM's per-position counters (num_accepted_tokens_per_pos / num_drafts). The one rule for the
+    replay and the served figures alike, so the two columns compare like for like: a cycle cut short by
+    the end of a sequence counts its undrafted depths as not accepted."""
+    return [a / drafts if drafts else float("nan") for a in accepted]
+
+
 @dataclass
 class AcceptStats:
     """Counts of a replay; merge with `+=`. Depths are 1..max_depth (index 0 = depth 1)."""
@@ -188,7 +196,6 @@ class AcceptStats:
     tokens: int = 0
     truncated_cycles: int = 0                # cycles that ran into a segment end
     emitted_hist: list[int] = field(default_factory=list)  # [max_depth+1]: cycles emitting 1..max_depth+1
-    judged: list[int] = field(default_factory=list)        # cycles where depth j could be judged
     accepted: list[int] = field(default_factory=list)      # cycles where depth j was accepted
     segments: int = 0
     assistant_positions: int = 0
@@ -198,7 +205,6 @@ class AcceptStats:
     def __post_init__(self):
         n = self.max_depth
         self.emitted_hist = self.emitted_hist or [0] * (n + 1)
-        self.judged = self.judged or [0] * n
         self.accepted = self.accepted or [0] * n
 
     def add_cycle(self, accepted: int, remaining: int) -> int:
@@ -207,9 +213,8 @@ class AcceptStats:
         self.tokens += emitted
         self.truncated_cycles += int(remaining <= self.max_depth)
         self.emitted_hist[emitted - 1] += 1
-        for j in range(min(self.max_depth, remaining)):
-            self.judged[j] += 1
-            self.accepted[j] += int(j < accepted)
+        for j in range(min(self.max_depth, accepted, remaining)):  # the drafts this cycle emitted
+            self.accepted[j] += 1
         return emitted
 
     def __iadd__(self, other: "AcceptStats") -> "AcceptStats":
@@ -218,7 +223,7 @@ class AcceptStats:
         for name in ("cycles", "tokens", "truncated_cycles", "segments", "assistant_positions",
                      "mismatches", "sequences"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("emitted_hist", "judged", "accepted"):
+        for name in ("emitted_hist", "accepted"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
         return self
 
@@ -227,14 +232,14 @@ class AcceptStats:
         return self.tokens / self.cycles if self.cycles else float("nan")
 
     def acceptance_by_position(self) -> list[float]:
-        """P(draft at depth j accepted) over cycles where depth j could be judged."""
-        return [a / n if n else float("nan") for a, n in zip(self.accepted, self.judged)]
+        """P(draft at depth j accepted), the engines' rule (`acceptance_by_position` above)."""
+        return acceptance_by_position(self.accepted, self.cycles)
 
     def conditional_acceptance(self) -> list[float]:
         """P(depth j accepted | depth j-1 accepted) (depth 1: unconditional)."""
         out, prev = [], None
-        for a, n in zip(self.accepted, self.judged):
-            base = n if prev is None else prev
+        for a in self.accepted:
+            base = self.cycles if prev is None else prev
             out.append(a / base if base else float("nan"))
             prev = a
         return out
