@@ -17,7 +17,9 @@ ACCEPT_LABELS = {
     "decode_pooled": "(completion tokens - 1) / verify steps over all requests (the replay's convention, pooled)",
     "drafts_pooled": "1 + accepted drafts / verify steps over all requests (vLLM's mean acceptance length)",
     "server_avg_cumulative": "SGLang /get_server_info avg_spec_accept_length after the run: the server's own pooled "
-                             "figure, cumulative since it started (warm-up and other traffic included)",
+                             "figure, cumulative since it started (warm-up and other traffic included); SGLang refreshes it "
+                             "only every 40 decode batches (--decode-log-interval), so it can lag the last requests, "
+                             "and leaves it out before the first 40 (then this row is absent)",
     "decode_per_request_mean": "mean over requests of (completion tokens - 1) / verify steps (SpecForge's "
                                "benchmark averages this way)",
 }

@@ -2,10 +2,12 @@
 the SGLang 0.5.2-0.5.23 and vLLM 0.34.0 wheels), the cost split fit (eagle3/replay/cost_fit.py) and the measured
 cost preset (eagle3/replay/cost_presets.py) on hand-checked cases."""
 import json
+import os
 
 import pytest
 
 from eagle3.engines import serve_protocol as sp
+from eagle3.engines import vllm_protocol
 from eagle3.replay.cost_fit import CostFitError, CyclePoint, fit_cycle_costs
 from eagle3.replay.cost_model import Latencies
 from eagle3.replay.cost_presets import PresetError, preset_file_body, resolve_preset
@@ -120,3 +122,32 @@ def test_measured_preset_file(tmp_path):
         resolve_preset(f"measured:{tmp_path}/bad.json")
     with pytest.raises(PresetError, match="expected one of"):
         resolve_preset("fast_server")
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("0.5.23", {}), ("0.5.12", {}), ("0.5.6", {}),      # every spec key inside `if spec_verify_ct > 0`
+    ("0.5.4", {"spec_verify_ct": 0, "spec_accept_rate": 0.0, "spec_accept_length": 0}),
+    ("0.5.2", {"spec_verify_ct": 0}),
+])
+def test_standin_meta_before_any_verify_step_is_what_that_sglang_writes(version, expected):
+    # a one-token reply (EOS at prefill): no cycle was verified
+    from eagle3.replay.accept_sim import SpecKnobs
+    from tests.standins.serve_standin import Decoded, ModelSide, StandinServer
+    server = StandinServer("sglang", ModelSide(None, drafter=object(), knobs=SpecKnobs(2, 1, 3)), version=version)
+    try:
+        meta = server.record(Decoded(tokens=[7], cycles=[], accepted=[], real_ms=[]))
+    finally:
+        server.httpd.server_close()
+    assert meta == expected
+    assert sp.read_sglang_meta({"completion_tokens": 1, **meta}) is None or meta[sp.VERIFY_CT] == 0
+
+
+def test_lock_timeout_message_keeps_fractional_seconds(tmp_path):
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(b"")
+    fd = vllm_protocol.lock_for_write(path)
+    try:
+        with pytest.raises(vllm_protocol.ConnectorFileError, match=r"after 0\.2s"):
+            vllm_protocol.read_states_file(path, [1, 2], 4, 8, lock_timeout_s=0.2)
+    finally:
+        os.close(fd)

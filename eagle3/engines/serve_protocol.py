@@ -21,8 +21,12 @@ token is the prefill's, no cycle); `decode_tokens_per_verify` is the comparable 
 entry i counts verify steps that accepted i drafts (no bonus). `/get_server_info` (deprecated from
 0.5.2x in favour of `/server_info`, same body) holds the server args at the top level
 (`speculative_algorithm`, `speculative_num_steps`, ..., `speculative_draft_model_path`, `model_path`),
-`version`, and `internal_states[i].avg_spec_accept_length` (cumulative since start; absent before
-the first verify step). The aux-id rule of eagle3/engines/aux_layers.py changed in 0.5.13 (deepseek_v2.py:
+`version`, and `internal_states[i].avg_spec_accept_length` (cumulative since start, but computed in the
+scheduler's decode log: absent until 40 decode batches with the default `--decode-log-interval` 40, then
+refreshed only every 40, so it can lag the last requests of a run). From 0.5.6 every spec key of
+meta_info, `spec_verify_ct` included, is written inside `if spec_verify_ct > 0`: a request that never
+reached a verify step (one token, or EOS at prefill) carries none; 0.5.4-0.5.5 write spec_verify_ct 0,
+spec_accept_rate 0.0 and spec_accept_length 0. The aux-id rule of eagle3/engines/aux_layers.py changed in 0.5.13 (deepseek_v2.py:
 `if layer_ids and layer_ids[0] == 1` first there; 0.5.12 adds 1 always): `sglang_aux_rule`.
 
 vLLM 0.34.0 (the PyPI wheel, commit g62d4bc3c7; vllm/v1/spec_decode/metrics.py, v1/metrics/loggers.py
@@ -114,7 +118,10 @@ def sglang_spec_meta(version: str, *, verify_ct: int, completion_tokens: int, co
     fields = sglang_meta_fields(version)
     out: dict = {VERIFY_CT: verify_ct}
     if verify_ct <= 0:
-        return out if version_tuple(version) < (0, 5, 4) else {**out, ACCEPT_RATE: 0.0, ACCEPT_LENGTH: 0}
+        v = version_tuple(version)
+        if v >= (0, 5, 6):   # every key sits inside `if spec_verify_ct > 0`
+            return {}
+        return out if v < (0, 5, 4) else {**out, ACCEPT_RATE: 0.0, ACCEPT_LENGTH: 0}
     old_rate = version_tuple(version) < (0, 5, 6)
     proposed = verify_ct * (num_steps if old_rate else num_draft_tokens - 1)
     if ACCEPT_RATE in fields:

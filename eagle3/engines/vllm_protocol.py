@@ -226,7 +226,7 @@ def read_states_file(path: str | Path, token_ids: torch.Tensor, num_ids: int, hi
     path = Path(path)
     if not wait_unlocked(path, lock_timeout_s):
         raise ConnectorFileError(f"{path}{LOCK_SUFFIX}: the engine still holds the write lock after "
-                                 f"{lock_timeout_s:.0f}s", retryable=True)
+                                 f"{lock_timeout_s:g}s", retryable=True)
     if not path.is_file():
         raise ConnectorFileError(f"{path}: connector file missing (the engine named it in its reply)", retryable=True)
     try:
