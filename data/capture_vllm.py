@@ -45,6 +45,7 @@ from eagle3.formats.store import HiddenStateWriter, NonFiniteHiddenStateError
 from eagle3.formats.store_format import NO_ROWS
 
 PACKAGE = "vllm"
+SHORT_FILE = "short_states_file"  # a skip reason: fewer rows than the prompt (vllm_protocol.ShortStatesFile)
 
 
 class EngineError(CaptureError):
@@ -288,6 +289,14 @@ def sweep(deferred: list[str], wait_s: float = 0.0) -> list[str]:
     return live
 
 
+def _delete(path: str, stats: dict, deferred: list[str]) -> None:
+    """Delete a file this run has read (counted); one whose lock is somehow held again is swept later."""
+    if vllm_protocol.remove_states_file(path):
+        stats["files_deleted"] += 1
+    else:  # unreachable after a read (the lock was free); swept, never left silently
+        deferred.append(path)
+
+
 def _read(engine, setup: VllmSetup, x: torch.Tensor, request, path: str, H: int, cfg, stats: dict,
           deferred: list[str]) -> tuple[torch.Tensor, str]:
     """The sequence's [T, num_ids, H] states and the path of the file they were read from (a re-request
@@ -300,6 +309,8 @@ def _read(engine, setup: VllmSetup, x: torch.Tensor, request, path: str, H: int,
                 raise CaptureError(f"the engine wrote {path}, outside {setup.storage_dir}: it was started for other "
                                    f"layer ids or another directory; restart it with: {setup.serve_command}")
             return vllm_protocol.read_states_file(path, x, len(setup.ids), H, cfg.vllm.lock_timeout_s), path
+        except vllm_protocol.ShortStatesFile:
+            raise  # the caller's counted skip; asking again would get the same cached prefix
         except vllm_protocol.ConnectorFileError as e:
             if not vllm_protocol.remove_states_file(path):
                 deferred.append(path)
@@ -333,7 +344,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
     batches = make_batches(seqs, cfg.max_tokens_per_batch)
     todo = [[s for s in b if s.id not in writer.done_ids] for b in batches]
     todo = [b for b in todo if b]
-    stats = {"re_requested": 0, "files_deleted": 0, "engine_token_agrees": 0, "engine_token_checked": 0, "image_requests": 0,
+    stats = {"re_requested": 0, "files_deleted": 0, "short_files": [], "engine_token_agrees": 0, "engine_token_checked": 0, "image_requests": 0,
              "image_skips": {}}
     deferred: list[str] = []  # files whose writers held the lock past vllm.lock_timeout_s
     non_finite: list[str] = []
@@ -363,6 +374,13 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                 path, greedy, _ = reply
                 try:
                     hs, path = _read(engine, setup, x, requests[k], path, H, cfg, stats, deferred)  # [T, num_ids, H]
+                except vllm_protocol.ShortStatesFile as e:  # never stored: a short file must not be trained on
+                    _delete(e.path, stats, deferred)
+                    writer.skip(s.id, SHORT_FILE)
+                    stats["short_files"].append(s.id)
+                    print(f"[capture] skipped {s.id!r} ({SHORT_FILE}): {e}")
+                    done += 1
+                    continue
                 except CaptureError:
                     for later in sent[sent.index(k) + 1:]:  # a file still being written stays for the next run
                         if not isinstance(replies[later], RequestRefused):
@@ -380,10 +398,7 @@ def capture_split(engine, teacher: Teacher, ds, seqs: list[Seq], writer: HiddenS
                     writer.skip(s.id, "non_finite")
                     non_finite.append(s.id)
                     print(f"[capture] skipped: {NonFiniteHiddenStateError(s.id, 'aux/last')}")
-                if vllm_protocol.remove_states_file(path):
-                    stats["files_deleted"] += 1
-                else:  # unreachable after a successful read (the lock was free); swept, never left silently
-                    deferred.append(path)
+                _delete(path, stats, deferred)
                 done += 1
             bar.update(sum(s.length for s in batch))
             deferred = sweep(deferred)

@@ -211,3 +211,32 @@ def test_an_engine_started_for_other_layers_is_refused(tmp_path, targets, prepar
     with StandinServer.from_command(other, "kimi_k25"):
         with pytest.raises(CaptureError, match=r"outside .*ids-2-4-5-8.*restart it with: vllm serve"):
             run_capture(cfg, Dist())
+
+
+def test_prefix_caching_is_off_and_a_short_file_is_a_counted_skip_never_stored(tmp_path, targets, prepared,  # noqa: F811
+                                                                               hf_store):
+    cfg = vllm_config(tmp_path, targets, prepared)
+    cmd = serve_command_of(cfg)
+    assert not parse_serve_command(cmd).enable_prefix_caching  # the printed line turns vLLM's default off
+    assert vllm_protocol.llm_kwargs("/m", [2, 61], "/hs", tensor_parallel_size=1, max_model_len=None,
+                                    trust_remote_code=False, dtype="bfloat16")["enable_prefix_caching"] is False
+    # a server someone started without the flag, with small blocks so the mini prompts share whole ones
+    cached = cmd.replace(" " + vllm_protocol.NO_PREFIX_CACHING_FLAG, "") + " --block-size 2"
+    with StandinServer.from_command(cached, "kimi_k25") as server:
+        out = run_capture(cfg, Dist())
+    m = json.loads((out / "manifest.json").read_text())
+    short = [sid for split in ("train", "validation") for sid in m["splits"][split]["this_run"]["short_files"]]
+    assert short, "the prompts share no cached block: the test shows nothing"
+    assert server.engine.requests == sum(len(HiddenStateStore(out / s)) for s in ("train", "validation")) + len(short)
+    assert sorted(sid for split in ("train", "validation")
+                  for sid in m["splits"][split]["skipped_ids"].get("short_states_file", [])) == sorted(short)
+    ref = {s: HiddenStateStore(hf_store / s) for s in ("train", "validation")}
+    for split in ("train", "validation"):  # what was stored is complete and the HF backend's own
+        got = HiddenStateStore(out / split)
+        mine = set(m["splits"][split]["this_run"]["short_files"])
+        assert not set(got.ids) & mine and set(got.ids) | mine == set(ref[split].ids)  # each stored or skipped
+        for i, sid in enumerate(got.ids):
+            j = ref[split].ids.index(sid)
+            assert got.lengths[i] == ref[split].lengths[j]
+            assert torch.equal(got[i]["aux"], ref[split][j]["aux"])
+    assert_no_connector_files(cfg)  # the short files were deleted too

@@ -35,6 +35,12 @@ itself cannot run on the project's machines, so none of this has been exercised 
   _submit_async_write 562-580, 360-399). Turning it off is what 0.34.0 warns against for generate models
   ("may cause the engine to crash or produce incorrect outputs", engine/arg_utils.py 3092-3099).
   tests/test_vllm_sources.py runs that bookkeeping over a prefill in chunks.
+- Prefix caching is turned off (`--no-enable-prefix-caching`; vLLM turns it on by default). Chat data
+  shares prefixes everywhere (system prompts, one record cut into several sequences), and in 0.34.0 the
+  hidden-state cache layer (HiddenStateCacheSpec) is managed by FullAttentionManager, so a cached prefix's
+  blocks may be reused for it: NVIDIA ModelOpt's vLLM dump requires it off because "the dumped
+  hidden_states come out short by N*block_size". Not settled against 0.34.0's own scheduler here, so
+  it is off, and every file's length is still checked against the prompt (`ShortStatesFile`).
 - vllm/entrypoints/openai/completion/protocol.py: `prompt` may be a list of token ids; `return_token_ids`
   echoes them as `choices[0].prompt_token_ids`; `kv_transfer_params` on the response.
 Image prompts go through the chat endpoint: eagle3/engines/vllm_images.py holds those facts.
@@ -60,6 +66,7 @@ from eagle3.engines import aux_layers
 VLLM_VERSION = "0.34.0"  # the version whose source the facts below were read from
 SPEC_METHOD = "extract_hidden_states"
 CONNECTOR = "ExampleHiddenStatesConnector"
+NO_PREFIX_CACHING_FLAG = "--no-enable-prefix-caching"  # why: the docstring
 KV_ROLE = "kv_producer"
 STORAGE_KEY = "shared_storage_path"  # kv_connector_extra_config key: where the connector writes
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"  # speculative_config.draft_model_config.hf_config key
@@ -81,6 +88,15 @@ class ConnectorFileError(VllmProtocolError):
     def __init__(self, message: str, retryable: bool):
         super().__init__(message)
         self.retryable = retryable
+
+
+class ShortStatesFile(ConnectorFileError):
+    """A complete, readable file with fewer hidden-state rows than the prompt has tokens (what a cached
+    prefix does to a dump): deterministic for that prompt, so never retried and never stored."""
+
+    def __init__(self, message: str, path: str, rows: int, expected: int):
+        super().__init__(message, retryable=False)
+        self.path, self.rows, self.expected = path, rows, expected
 
 
 def request_ids(hf_indices: Sequence[int], num_layers: int) -> list[int]:
@@ -137,7 +153,7 @@ def llm_kwargs(target_path: str | Path, ids: Sequence[int], storage_dir: str | P
                max_model_len: int | None, trust_remote_code: bool, dtype: str) -> dict:
     """Keyword arguments of `vllm.LLM(...)` for an in-process capture engine."""
     kw = {"model": str(target_path), "tensor_parallel_size": int(tensor_parallel_size), "dtype": dtype,
-          "trust_remote_code": bool(trust_remote_code),
+          "trust_remote_code": bool(trust_remote_code), "enable_prefix_caching": False,
           "speculative_config": speculative_config(ids), "kv_transfer_config": kv_transfer_config(storage_dir)}
     if max_model_len is not None:
         kw["max_model_len"] = int(max_model_len)
@@ -153,6 +169,7 @@ def serve_command(target_path: str | Path, ids: Sequence[int], storage_dir: str 
             "--dtype", dtype]
     if max_model_len is not None:
         args += ["--max-model-len", str(int(max_model_len))]
+    args.append(NO_PREFIX_CACHING_FLAG)
     if trust_remote_code:
         args.append("--trust-remote-code")
     args += list(extra_flags)
@@ -238,6 +255,10 @@ def read_states_file(path: str | Path, token_ids: torch.Tensor, num_ids: int, hi
         raise ConnectorFileError(f"{path}: connector file lacks {missing} (has {sorted(data)})", retryable=False)
     hs, toks = data[STATES_KEY], data[TOKENS_KEY]
     T = int(token_ids.shape[0])
+    if hs.dim() == 3 and hs.shape[0] < T:
+        raise ShortStatesFile(f"{path}: hidden_states has {hs.shape[0]} rows for a {T}-token prompt (short by "
+                              f"{T - hs.shape[0]}: a cached prefix? the engine must run with "
+                              f"{NO_PREFIX_CACHING_FLAG})", str(path), int(hs.shape[0]), T)
     if toks.shape != (T,) or not torch.equal(toks.long(), token_ids.long().cpu()):
         raise ConnectorFileError(f"{path}: token_ids are not this sequence's ({tuple(toks.shape)} vs ({T},))",
                                  retryable=True)

@@ -22,7 +22,9 @@ cut short), `die_after` (the server stops answering after that many completions)
 (the reply comes first and the file later, under the lock, as vLLM's writer thread does), `hold` (the
 writer holds the lock, file unwritten, until the test sets `release`: a writer slower than any timeout),
 `extra_pads` (image request n -> merged patch rows its engine adds to the first image: an engine whose
-image rule differs, so its expansion and its features both differ from prepare's), `refuse_images` (image requests answered 400, as an image vLLM cannot load). Image requests are
+image rule differs, so its expansion and its features both differ from prepare's), `refuse_images` (image requests answered 400, as an image vLLM cannot load). Prefix caching is on
+unless the command (or `LLM(enable_prefix_caching=False)`) turns it off, as in vLLM: a prompt whose leading
+full blocks (`--block-size`, 16) an earlier request computed gets a file short by those rows. Image requests are
 numbered on their own (0-based), in arrival order.
 """
 from __future__ import annotations
@@ -81,8 +83,11 @@ def engine_settings(speculative_config: dict, kv_transfer_config: dict, num_laye
 
 class StandinEngine:
     def __init__(self, target_path, layout: str, dtype: str, speculative_config: dict, kv_transfer_config: dict,
-                 max_model_len: int | None = None, faults: Faults | None = None):
+                 max_model_len: int | None = None, faults: Faults | None = None, prefix_caching: bool = True,
+                 block_size: int = 16):
         L = target_io.read_text_config(target_path, layout)["num_hidden_layers"]
+        self.prefix_caching, self.block_size = prefix_caching, block_size  # vLLM's defaults: on, 16
+        self._cached_blocks: set[tuple] = set()  # the prompt prefixes of every full block served so far
         self.ids, self.storage = engine_settings(speculative_config, kv_transfer_config, L)
         self.model, _ = target_io.load_target(target_path, layout, dtype)
         self.target_path = target_path
@@ -110,6 +115,7 @@ class StandinEngine:
                 target_io.text_model(self.model)(**inputs, attention_mask=torch.ones_like(x), use_cache=False)
                 states = torch.stack([a[0] for a in cap.aux], dim=1)  # [T, num_ids, H], ascending ids
                 greedy = int(target_io.argmax_from_last(self.model, cap.last[0, -1:])[0])
+            states = states[self._cached_prefix(token_ids):]
         path = self.storage / f"standin-{n}{vllm_protocol.FILE_SUFFIX}"
         fd = vllm_protocol.lock_for_write(path)  # before the reply, as the connector does
         write = threading.Thread(target=self._write, args=(n, path, states, x[0], fd), daemon=True)
@@ -118,6 +124,18 @@ class StandinEngine:
         if not self.faults.write_delay_s and n not in self.faults.hold:
             write.join()
         return str(path), greedy
+
+    def _cached_prefix(self, token_ids: list[int]) -> int:
+        """Rows a dump loses to prefix caching: the leading full blocks an earlier request already computed
+        (never the whole prompt: one token is always run). The failure NVIDIA ModelOpt reports ("short by
+        N*block_size"), not vLLM 0.34.0's own bookkeeping, which is why the backend turns caching off."""
+        if not self.prefix_caching:
+            return 0
+        bs, hit = self.block_size, 0
+        while (hit + 1) * bs < len(token_ids) and tuple(token_ids[:(hit + 1) * bs]) in self._cached_blocks:
+            hit += 1
+        self._cached_blocks.update(tuple(token_ids[:(b + 1) * bs]) for b in range(len(token_ids) // bs))
+        return hit * bs
 
     def _fused(self, x: torch.Tensor, images: list) -> torch.Tensor:
         from eagle3.target_model import images as rule
@@ -219,9 +237,10 @@ def fake_vllm_module(faults: Faults | None = None, layout: str = "kimi_k25") -> 
 
     class LLM:
         def __init__(self, model, *, tensor_parallel_size=1, dtype="auto", trust_remote_code=False,
-                     speculative_config=None, kv_transfer_config=None, max_model_len=None):
+                     speculative_config=None, kv_transfer_config=None, max_model_len=None,
+                     enable_prefix_caching=None, block_size=None):
             self.engine = StandinEngine(model, layout, dtype, speculative_config or {}, kv_transfer_config or {},
-                                        max_model_len, faults)
+                                        max_model_len, faults, enable_prefix_caching is not False, block_size or 16)
             self.tensor_parallel_size = tensor_parallel_size
             mod.engines.append(self.engine)
 
@@ -259,6 +278,8 @@ def parse_serve_command(command: str) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--trust-request-chat-template", action="store_true")
     p.add_argument("--speculative-config", type=json.loads, required=True)
     p.add_argument("--kv-transfer-config", type=json.loads, required=True)
@@ -284,7 +305,7 @@ class StandinServer:
     def from_command(cls, command: str, layout: str, faults: Faults | None = None) -> "StandinServer":
         a = parse_serve_command(command)
         engine = StandinEngine(a.model, layout, a.dtype, a.speculative_config, a.kv_transfer_config,
-                               a.max_model_len, faults)
+                               a.max_model_len, faults, a.enable_prefix_caching, a.block_size)
         return cls(engine, a.model, a.port, a.trust_request_chat_template)
 
     @property
