@@ -199,30 +199,71 @@ def choose_aux_layers(cfg, num_layers: int) -> AuxChoice:
     return aux_layers.choose_hf_indices(listed, where, cfg.aux_hf_indices, num_layers, rule)
 
 
-def run_capture(cfg, dist: Dist | None = None) -> Path:
-    """The capture stage (`cfg`: eagle3.config.schema.capture.CaptureConfig). Returns the stage dir."""
-    import datasets
+@dataclass
+class CaptureSetup:
+    """What a capture run reads before any work (both run_capture and the streaming producer use it)."""
+    prep_manifest: dict
+    text_cfg: dict
+    aux: AuxChoice
+    image_token_id: int | None
+    max_len: int
+    fingerprints: dict
 
-    from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest, stale_keys, write_manifest
+    hf_indices = property(lambda self: self.aux.hf_indices)
+    num_layers = property(lambda self: self.text_cfg["num_hidden_layers"])
+    hidden_size = property(lambda self: self.text_cfg["hidden_size"])
+    vocab_size = property(lambda self: self.text_cfg["vocab_size"])
 
-    out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
+    def header(self, backend) -> dict:
+        return {"hidden_size": self.hidden_size, "target_hidden_size": self.hidden_size, "hf_indices": self.hf_indices,
+                "aux_provenance": self.aux.provenance(), "image_token_id": self.image_token_id,
+                "image_rows": backend.image_rows}
+
+
+def capture_setup(cfg) -> CaptureSetup:
+    """Step 1 of the module docstring: manifests, target config, aux layers, tokenizer fingerprint."""
+    from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
+
+    in_dir = Path(cfg.in_dir)
     try:
         prep_manifest = read_manifest(in_dir, "prepare")
     except ManifestError as e:
         raise CaptureError(str(e)) from e
     try:
         text_cfg = target_io.read_text_config(cfg.target.path, cfg.target.layout)
-        L, H, V = text_cfg["num_hidden_layers"], text_cfg["hidden_size"], text_cfg["vocab_size"]
-        aux = choose_aux_layers(cfg, L)
+        aux = choose_aux_layers(cfg, text_cfg["num_hidden_layers"])
     except (target_io.TargetError, DrafterLoadError, AuxLayerError) as e:
         raise CaptureError(str(e)) from e
-    hf_indices = aux.hf_indices
     image_token_id = capture_image_token_id(cfg, prep_manifest)
-    print(f"[capture] aux hidden states h = {hf_indices} (HF output_hidden_states; from {aux.source}"
+    print(f"[capture] aux hidden states h = {aux.hf_indices} (HF output_hidden_states; from {aux.source}"
           + (f", ids {aux.listed_ids} read by rule {aux.rule!r}" if aux.rule else "") + ")")
     max_len = cfg.max_seq_len or int(text_cfg["max_position_embeddings"])
     fingerprints = {"target": target_fingerprint(cfg.target.path), "tokenizer": check_tokenizer(cfg, prep_manifest),
                     "prepare": fingerprint(in_dir)}
+    return CaptureSetup(prep_manifest, text_cfg, aux, image_token_id, max_len, fingerprints)
+
+
+def open_split(cfg, split: str, vocab_size: int):
+    """The prepared split as a datasets.Dataset, checked (check_dataset)."""
+    import datasets
+
+    path = Path(cfg.in_dir) / split
+    if not path.is_dir():
+        raise CaptureError(f"{path}: prepared split missing; rerun the prepare stage")
+    ds = datasets.load_from_disk(str(path))
+    check_dataset(ds, split, vocab_size)
+    return ds
+
+
+def run_capture(cfg, dist: Dist | None = None) -> Path:
+    """The capture stage (`cfg`: eagle3.config.schema.capture.CaptureConfig). Returns the stage dir."""
+    from eagle3.formats.manifest import stale_keys, write_manifest
+
+    out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
+    setup = capture_setup(cfg)
+    text_cfg, aux, hf_indices, image_token_id = setup.text_cfg, setup.aux, setup.hf_indices, setup.image_token_id
+    L, H, V = setup.num_layers, setup.hidden_size, setup.vocab_size
+    max_len, fingerprints = setup.max_len, setup.fingerprints
     dist = dist or default_dist()
     if (not stale_keys(out, "capture", {"config": cfg, "fingerprints": fingerprints, "world_size": dist.world})
             and all((out / split / "manifest.json").is_file() for split in cfg.splits)):
@@ -231,20 +272,13 @@ def run_capture(cfg, dist: Dist | None = None) -> Path:
     backend = backend_for(cfg.backend)  # data/capture_backends.py; checked before any work
     backend.check(cfg, hf_indices, L, max_len, dist, image_token_id)
 
-    splits = {}
-    for split in cfg.splits:
-        if not (in_dir / split).is_dir():
-            raise CaptureError(f"{in_dir / split}: prepared split missing; rerun the prepare stage")
-        ds = datasets.load_from_disk(str(in_dir / split))
-        check_dataset(ds, split, V)
-        splits[split] = ds
+    splits = {split: open_split(cfg, split, V) for split in cfg.splits}
 
     dist.barrier()  # every process has read the old stage manifest; it no longer describes what is on disk
     if dist.is_main:
         (out / "manifest.json").unlink(missing_ok=True)
     backend.open(cfg, text_cfg, max_len, dist)
-    header = {"hidden_size": H, "target_hidden_size": H, "hf_indices": hf_indices, "aux_provenance": aux.provenance(),
-              "image_token_id": image_token_id, "image_rows": backend.image_rows}
+    header = setup.header(backend)
     results = {}
     for split, ds in splits.items():
         seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)

@@ -99,6 +99,89 @@ class BatchStream:
             epoch, index = epoch + 1, 0
 
 
+def plan_window(lengths: Sequence[int], max_tokens: int, max_length: int, seed: int, window: int, reuse: int,
+                bucket_window: int = 1024) -> list[list[int]]:
+    """All micro-batches of one window (window-local indices): `reuse` passes over its sequences, each
+    a plan_epoch of its own (shuffled within the window only), one after the other."""
+    out: list[list[int]] = []
+    for r in range(reuse):
+        out += plan_epoch(lengths, max_tokens, max_length, seed, window * reuse + r, bucket_window)
+    return out
+
+
+@dataclass
+class WindowedStream:
+    """data.order=windows (always for data.source=stream): the stream positions 0, 1, ... are cut into
+    windows of `window` sequences; window w is trained `reuse` times (plan_window) before window w+1
+    starts, so a sequence is needed only while its window trains. `window_lengths(w)` gives window w's
+    lengths ([] past the end; a spool blocks until the window has arrived). Unlike BatchStream the stream
+    ends with the data. `position` semantics are BatchStream's: micro-batches handed out to this rank."""
+    window_lengths: Callable[[int], list]
+    window: int
+    reuse: int
+    max_tokens: int
+    max_length: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    bucket_window: int = 1024
+
+    def __post_init__(self):
+        self._counts: dict[int, int] = {}
+
+    def window_batches(self, w: int) -> list[list[int]]:
+        lengths = self.window_lengths(w)
+        if not lengths:
+            return []
+        local = shard_for_rank(plan_window(lengths, self.max_tokens, self.max_length, self.seed, w, self.reuse,
+                                           self.bucket_window), self.rank, self.world_size)
+        self._counts[w] = len(local)
+        return [[w * self.window + i for i in b] for b in local]
+
+    def _count(self, w: int) -> int:
+        if w not in self._counts:
+            self.window_batches(w)
+            self._counts.setdefault(w, 0)
+        return self._counts[w]
+
+    def iterate(self, start: int = 0) -> Iterator[tuple[int, list[int]]]:
+        w, index = 0, start
+        while True:
+            if index >= self._count(w):
+                if self._counts[w] == 0:
+                    return
+                index -= self._counts[w]
+                w += 1
+                continue
+            batches = self.window_batches(w)
+            for b in batches[index:]:
+                yield w, b
+            w, index = w + 1, 0
+
+    def windows_done(self, position: int) -> int:
+        """Windows whose every micro-batch of this rank is among the first `position` (only windows that
+        have arrived are counted)."""
+        w, end = 0, 0
+        while w in self._counts and self._counts[w] and end + self._counts[w] <= position:
+            end += self._counts[w]
+            w += 1
+        return w
+
+    def all_batches(self) -> list[list[int]]:
+        """Every micro-batch of this rank (only for a stream whose lengths are all known: the planned ones)."""
+        out, w = [], 0
+        while batches := self.window_batches(w):
+            out += batches
+            w += 1
+        return out
+
+    def batches_per_epoch(self) -> int:  # the whole stream is one "epoch"
+        return len(self.all_batches())
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        return self.all_batches()
+
+
 class StoreSequences(torch.utils.data.Dataset):
     """Map-style view of a HiddenStateStore, truncating sequences to `max_length`."""
 

@@ -30,7 +30,7 @@ class TrainInputError(StageError, ValueError):
 
 @dataclass
 class TrainInputs:
-    train: HiddenStateStore
+    train: HiddenStateStore              # or, for data.source=stream, a train/spool_source.SpoolStore
     val: Optional[HiddenStateStore]
     d2t: torch.Tensor            # int64 [draft_V]
     t2d: torch.Tensor            # bool [V]
@@ -83,7 +83,14 @@ def open_inputs(config) -> TrainInputs:
     except ManifestError as e:
         raise TrainInputError(str(e)) from e
     warnings = []
-    train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
+    if config.data.source == "stream":
+        from train.spool_source import SpoolStore
+
+        d = config.data
+        root = Path(d.spool_dir) if Path(d.spool_dir).is_absolute() else capture_dir / d.spool_dir
+        train = SpoolStore(root, d.verify, d.stream_timeout_s, d.stream_status_s)
+    else:
+        train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
     val = None
     if config.data.val_split:
         vdir = capture_dir / config.data.val_split

@@ -34,7 +34,7 @@ from eagle3.drafter.image_embeddings import resolve as resolve_image_embeddings,
 from eagle3.formats.manifest import MANIFEST, sha256_file, write_manifest
 from eagle3.ttt.unroll import TTTObjective, step_position_counts
 from train import checkpointing as ckpt
-from train.batches import BatchStream, make_loader
+from train.batches import BatchStream, WindowedStream, make_loader
 from train.engine import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
                           make_optimizer, make_scheduler, mixed_precision, optimizer_name, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError
@@ -42,6 +42,7 @@ from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
 from train.prefetch import DevicePrefetcher
 from train.progress import StepStats, progress_bar
+from train.spool_source import SpoolStore, StoreWindows, make_stream, planned_stream
 from train.validate import run_validation, simulated_accept_length
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,19 @@ class Trainer:
             image_embeddings=self.image_embeddings, image_token_id=inputs.train.image_token_id))
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
         self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
-        self.stream = BatchStream(inputs.train.lengths, config.data.max_tokens_per_batch, config.data.max_length,
-                                  config.seed, accelerator.process_index, accelerator.num_processes,
-                                  config.data.bucket_window)
-        self.total, self.per_epoch = total_steps(config, self.stream)
-        self.epoch_batches = self.stream.batches_per_epoch()
+        self.items = stream_items(config, inputs)  # what stream positions index (the store, or a spool)
+        self.spool = self.items if isinstance(self.items, SpoolStore) else None
+        rank, world = accelerator.process_index, accelerator.num_processes
+        self.stream = make_stream(config, self.items, rank, world)
+        # what the schedule is sized on: for windows the planned lengths (a stream's skips end it a little early)
+        self.sizing = planned_stream(config, self.items, rank, world) if isinstance(self.stream, WindowedStream) \
+            else self.stream
+        self.total, self.per_epoch = total_steps(config, self.sizing)
+        self.epoch_batches = self.sizing.batches_per_epoch()
+        self.stream_ended_at: Optional[int] = None
         self.scheduler, self.warmup = make_scheduler(self.optimizer, config.optim, self.total)
         self.counters = RunCounters()
+        self._released_windows = 0
         if resume is not None:
             self._restore(resume)
         if self.main and resume is None and (self.out / MANIFEST).exists():
@@ -142,11 +149,16 @@ class Trainer:
             self.objective.train()
             while c.step < self.total:
                 if not self.step(loader):
-                    continue  # a skipped non-finite update
+                    continue  # a skipped non-finite update, or the end of a windowed stream
                 bar.update(1)
                 self._after_step(bar)
                 hooks.fire(hooks.TRAIN_AFTER_STEP, step=c.step)
             bar.close()
+            if self.stream_ended_at is not None:  # the data ran out before the planned last step
+                if self.main:
+                    print(f"[train] the stream ended at step {c.step} (skipped samples: fewer batches than planned)")
+                c.val_last = self.validate(c.step)
+                self.checkpoint(c.step)
             self.finish()
         finally:
             self.metrics.close()  # also on errors: the wandb run and metrics file are closed cleanly
@@ -165,7 +177,8 @@ class Trainer:
         t_aside = time.perf_counter()
         if (cfg.val_every and c.step % cfg.val_every == 0) or last:
             c.val_last = self.validate(c.step)  # before the checkpoint, which records it
-        if c.step % cfg.checkpoint_every == 0 or last:
+        window_closed = self.spool is not None and self.stream.windows_done(c.position) > self._released_windows
+        if c.step % cfg.checkpoint_every == 0 or last or window_closed:  # a closed window's chunks wait for one
             self.checkpoint(c.step)
         self.stats.exclude(time.perf_counter() - t_aside)
 
@@ -175,7 +188,7 @@ class Trainer:
         and a side stream copies ahead."""
         cfg = self.config
         workers = cfg.data.num_workers if cfg.data.num_workers >= 0 else (4 if self.device.type == "cuda" else 0)
-        return DevicePrefetcher(make_loader(self.inputs.train, self.stream, self.counters.position, cfg.data.max_length,
+        return DevicePrefetcher(make_loader(self.items, self.stream, self.counters.position, cfg.data.max_length,
                                             workers, pin_memory=self.device.type == "cuda"), self.device)
 
     def step(self, loader: DevicePrefetcher) -> bool:
@@ -183,6 +196,10 @@ class Trainer:
         when the update was non-finite and skipped (on_nonfinite=skip); raises on `stop`."""
         cfg, c, acc = self.config, self.counters, self.acc
         hosts = loader.peek_hosts(cfg.grad_accum)  # counts and id checks on the host copies
+        if len(hosts) < cfg.grad_accum and isinstance(self.stream, WindowedStream):
+            self.stream_ended_at = c.step  # a windowed stream ends with its data (a tail < grad_accum unused)
+            self.total = c.step
+            return False
         if len(hosts) < cfg.grad_accum:  # the batch stream repeats epochs: only a broken reader ends
             raise RuntimeError(f"step {c.step + 1}: the batch reader ended after {c.position + len(hosts)} micro-batches")
         c.position += len(hosts)
@@ -262,11 +279,25 @@ class Trainer:
                                                                                     self.image_embeddings),
                                  state, self.config.keep_checkpoints)
         self.acc.wait_for_everyone()
+        self._release()
+
+    def _release(self, everything: bool = False) -> None:
+        """Spool only, after a checkpoint: each rank frees the chunks of the windows it has finished (a resume
+        starts at this checkpoint or later, so it never needs them); rank 0 deletes what every rank freed."""
+        if self.spool is None:
+            return
+        done = self.stream.windows_done(self.counters.position)
+        self.spool.release(self.acc.process_index, None if everything else done * self.config.data.window_sequences)
+        self._released_windows = done
+        self.acc.wait_for_everyone()
+        if self.main:
+            self.spool.reclaim(self.acc.num_processes)
 
     def finish(self) -> None:
         """`final/` (written aside, then renamed) and the stage manifest; rank 0 writes, every rank
         takes part in gathering the weights."""
         model_state = full_model_state(self.acc, self.objective)
+        self._release(everything=True)  # the last checkpoint is written: nothing of the stream is needed again
         if not self.main:
             return
         cfg, c, out, seconds = self.config, self.counters, self.out, self._elapsed()
@@ -280,12 +311,18 @@ class Trainer:
         train = self.inputs.train
         summary = {"steps": c.step, "total_steps": self.total, "tokens_seen": c.tokens_seen,
                    "nonfinite_skips": c.nonfinite_skips, "wall_s": round(seconds, 2), "val_start": c.val_start,
-                   "val_end": c.val_last, "padding_efficiency": stream_padding_efficiency(train.lengths, self.stream),
+                   "val_end": c.val_last, "padding_efficiency": stream_padding_efficiency(self.items.lengths, self.sizing),
                    "truncated_sequences": sum(1 for n in train.lengths if n > cfg.data.max_length),
                    "numerics": {"unroll": cfg.unroll if cfg.unroll != "auto" else
                                 ("fast" if self.device.type == "cuda" else "reference"),
                                 "compile": use_compile(cfg, self.device), "optimizer": optimizer_name(self.optimizer),
-                                "mixed_precision": mixed_precision(cfg), "device": str(self.device)}}
+                                "mixed_precision": mixed_precision(cfg), "device": str(self.device)},
+                   "data_order": {"source": cfg.data.source, "order": cfg.data.resolved_order(),
+                                  **({"window_sequences": cfg.data.window_sequences, "reuse": cfg.data.reuse,
+                                      "stream_ended_at_step": self.stream_ended_at}
+                                     if isinstance(self.stream, WindowedStream) else {})},
+                   **({"stream": {**self.spool.summary(), "tokens_trained": c.tokens_seen,
+                                  "reuse_per_sequence": cfg.data.reuse}} if self.spool is not None else {})}
         self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
         write_manifest(out, "train", cfg, inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},
                        init_fingerprint=init_fingerprint(cfg), init_report=self.report, final=str(out / FINAL),
@@ -297,10 +334,24 @@ class Trainer:
         return self.counters.prior_s + time.time() - self.t_start
 
 
-def total_steps(config, stream: BatchStream) -> tuple[int, int]:
-    """(total optimizer steps, optimizer steps per epoch)."""
+def stream_items(config, inputs):
+    """What the batch plan's indices address: the store (data.order=epochs), the store in stream order
+    (windows over an offline store), or the spool (data.source=stream)."""
+    if config.data.source == "stream" or config.data.resolved_order() == "epochs":
+        return inputs.train
+    prepared = ((inputs.capture_manifest.get("inputs") or {}).get("prepare") or {}).get("path")
+    if not prepared:
+        raise TrainInputError(f"{config.capture_dir}: its manifest names no prepare stage: data.order=windows reads "
+                              f"the prepared order from it")
+    return StoreWindows(inputs.train, Path(prepared) / config.data.train_split)
+
+
+def total_steps(config, stream) -> tuple[int, int]:
+    """(total optimizer steps, optimizer steps per epoch); a windowed stream is one "epoch" (data.reuse
+    passes per window replace epochs)."""
     per_epoch = max(1, -(-stream.batches_per_epoch() // config.grad_accum))
-    candidates = [s for s in (config.max_steps, None if config.epochs is None else config.epochs * per_epoch) if s]
+    epochs = 1 if isinstance(stream, WindowedStream) else config.epochs
+    candidates = [s for s in (config.max_steps, None if epochs is None else epochs * per_epoch) if s]
     return min(candidates), per_epoch
 
 

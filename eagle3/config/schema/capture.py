@@ -14,6 +14,27 @@ from eagle3.config.schema.capture_vllm import VllmCaptureConf
 
 
 @dataclass
+class StreamConf:
+    """Online capture (`stream.enabled=true`): the train split goes into a capped spool that the train stage
+    (data.source=stream) reads while the producer runs (eagle3/formats/spool.py); the validation split is
+    captured offline first, as usual."""
+    enabled: bool = False
+    dir: str = "spool"                # inside out_dir (or an absolute path: local NVMe, /dev/shm)
+    max_gb: float = 50.0              # the cap on chunk bytes on disk
+    high: float = 0.9                 # pause above high x max_gb ...
+    low: float = 0.7                  # ... resume at or below low x max_gb
+    chunk_sequences: int = 64         # sequences per published chunk (the unit of writing, acking, deleting)
+    recapture: int = 1                # passes of the target over the prompts (peers re-capture per epoch)
+    poll_s: float = 0.5               # how often a paused producer looks again
+
+    def validate(self) -> None:
+        if self.max_gb <= 0 or not 0 < self.low < self.high <= 1:
+            raise ConfigError(f"stream: max_gb={self.max_gb} > 0 and 0 < low={self.low} < high={self.high} <= 1")
+        if self.chunk_sequences < 1 or self.recapture < 1 or self.poll_s <= 0:
+            raise ConfigError("stream: chunk_sequences >= 1, recapture >= 1, poll_s > 0")
+
+
+@dataclass
 class CaptureConfig:
     paths: PathsConf
     target: TargetConf
@@ -47,6 +68,7 @@ class CaptureConfig:
     # README "Capture through vLLM")
     backend: str = "hf"
     vllm: VllmCaptureConf = field(default_factory=VllmCaptureConf)  # the engine of backend=vllm
+    stream: StreamConf = field(default_factory=StreamConf)  # online capture into a capped spool
 
     def validate(self) -> None:
         check_choice("backend", self.backend, CAPTURE_BACKENDS)

@@ -19,6 +19,21 @@ class TrainDataConf:
     bucket_window: int = 1024             # sequences sorted by length within windows of this many
     num_workers: int = -1                 # DataLoader workers reading the store ahead of the GPU; -1: 4 on GPU, 0 on CPU
     verify: str = "sha256"                # store check at open: sha256 (each shard hashed once: a same-size bit flip is caught) | size | none (cheaper)
+    # store: the capture stage's finished store | stream: the spool a running producer fills
+    # (make capture-hidden ARGS="stream.enabled=true"; data/stream_capture.py, train/spool_source.py)
+    source: str = "store"
+    # epochs: each epoch a permutation of the whole store | windows: consecutive windows of window_sequences
+    # (prepared order), each trained `reuse` times before the next (what a stream needs) | auto: windows for a stream
+    order: str = "auto"
+    window_sequences: int = 1024
+    reuse: int = 1                        # passes over each window (data.order=windows; epochs does not apply)
+    spool_dir: str = "spool"              # the spool inside capture_dir (or an absolute path) for source=stream
+    stream_timeout_s: float = 600.0       # a producer silent this long (no heartbeat, no chunk) is an error
+    stream_status_s: float = 30.0         # a status line this often while waiting for the producer
+
+    def resolved_order(self) -> str:
+        """The one place data.order=auto is decided."""
+        return ("windows" if self.source == "stream" else "epochs") if self.order == "auto" else self.order
 
     def validate(self) -> None:
         if self.max_tokens_per_batch < 1 or self.max_length < 2:
@@ -29,6 +44,12 @@ class TrainDataConf:
         if self.num_workers < -1 or self.bucket_window < 1:
             raise ConfigError(f"data.num_workers={self.num_workers} (>= -1) / data.bucket_window={self.bucket_window} (>= 1)")
         check_choice("data.verify", self.verify, STORE_VERIFY)
+        check_choice("data.source", self.source, ("store", "stream"))
+        check_choice("data.order", self.order, ("auto", "epochs", "windows"))
+        if self.source == "stream" and self.resolved_order() != "windows":
+            raise ConfigError("data.source=stream trains window by window: data.order must be windows (or auto)")
+        if self.window_sequences < 1 or self.reuse < 1 or self.stream_timeout_s <= 0:
+            raise ConfigError("data.window_sequences >= 1, data.reuse >= 1, data.stream_timeout_s > 0")
 
 
 @dataclass

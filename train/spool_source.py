@@ -1,0 +1,192 @@
+"""The train stage's windowed sources (data.order=windows): the spool a running producer fills
+(data.source=stream, `SpoolStore`) and an offline store read in the same stream order (`StoreWindows`),
+and the one function that builds the batch stream for either (`make_stream`).
+
+Stream positions are the stored sequences in stream order (prepared row index, recapture passes one after
+another; a skipped sample has no position). So a spool and an offline store of the same sequences give the
+same windows, the same plan and the same bits. A rank frees a chunk once the checkpoint that covers the
+last window using it is written (`release`): a resume never needs a deleted chunk, and no sequence is
+trained more often than its policy says.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from pathlib import Path
+
+from eagle3.formats.manifest import read_json
+from eagle3.formats.spool import PLAN, Spool, SpoolError
+from eagle3.formats.store import HiddenStateStore, StoreError
+from train.batches import BatchStream, WindowedStream
+from train.inputs import TrainInputError
+
+PRODUCER_HINT = 'make capture-hidden ARGS="stream.enabled=true ..." (the same capture config)'
+
+
+class SpoolStore:
+    """The train split as a producer streams it: the store header (from plan.json) and `store[p]` for
+    stream position p, waiting for the chunk that holds it. `lengths` are the planned ones (before skips):
+    what the LR schedule is sized on."""
+
+    def __init__(self, root: str | Path, verify: str, timeout_s: float, status_s: float, main: bool = True):
+        self.dir, self.spool, self.verify = Path(root), Spool(root), verify
+        self.timeout_s, self.status_s, self.main = timeout_s, status_s, main
+        self.wait_s = 0.0
+        self._wait_for(lambda: (self.dir / PLAN).is_file(), "its plan (no producer has started)")
+        self.plan = read_json(self.dir / PLAN, TrainInputError)
+        self.manifest = {**self.plan["header"], "dtype": self.plan["dtype"], "aux_dtype": self.plan["aux_dtype"],
+                         "complete": False}
+        self.lengths = [n for _, _, n in self.plan["sequences"]] * self.plan["recapture"]
+        self._chunks: list[dict] = []
+        self._starts: list[int] = [0]  # stream position of each logged chunk's first sequence, then the end
+        self._ended = False
+        self._open: dict[int, HiddenStateStore] = {}
+
+    hidden_size = property(lambda self: self.manifest["hidden_size"])
+    target_hidden_size = property(lambda self: self.manifest["target_hidden_size"])
+    hf_indices = property(lambda self: list(self.manifest["hf_indices"]))
+    image_token_id = property(lambda self: self.manifest.get("image_token_id"))
+    image_rows = property(lambda self: self.manifest.get("image_rows") if self.image_token_id is not None else None)
+    has_fused_image_rows = property(lambda self: self.image_rows == "fused")
+    dtype = property(lambda self: self.manifest["dtype"])
+    ended = property(lambda self: self._ended)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    # ---- arrival ---------------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        try:
+            entries = self.spool.entries()
+        except SpoolError as e:
+            raise TrainInputError(str(e)) from e
+        for e in entries[len(self._chunks) + (1 if self._ended else 0):]:
+            if e.get("end"):
+                self._ended = True
+            elif not self._ended:
+                self._chunks.append(e)
+                self._starts.append(self._starts[-1] + len(e["ids"]))
+
+    def _wait_for(self, ready, what: str):
+        """Poll until ready(); a status line every status_s; an error naming the producer after timeout_s
+        without a heartbeat or a new chunk."""
+        t0 = last_line = time.monotonic()
+        while not ready():
+            now = time.monotonic()
+            status = self.spool.status()
+            beat = status.get("heartbeat", 0) if status else 0
+            quiet = min(now - t0, time.time() - beat) if status else now - t0
+            who = (f"producer pid {status['pid']} ({status.get('state')}, last heard {time.time() - beat:.0f}s ago)"
+                   if status else "no producer")
+            if quiet > self.timeout_s:
+                raise TrainInputError(f"{self.dir}: waited {now - t0:.0f}s for {what}; {who} has said nothing for "
+                                      f"{quiet:.0f}s (data.stream_timeout_s={self.timeout_s:g}): it died or hangs. "
+                                      f"Restart it: {PRODUCER_HINT}; this run resumes from its last checkpoint")
+            if status and status.get("state") == "failed":
+                raise TrainInputError(f"{self.dir}: the {who} failed: {status.get('error')}; fix it and restart: "
+                                      f"{PRODUCER_HINT}")
+            if self.main and now - last_line >= self.status_s:
+                print(f"[train] waiting {now - t0:.0f}s for {what} from {self.dir}: {who}")
+                last_line = now
+            time.sleep(0.05)
+        self.wait_s += time.monotonic() - t0
+        return True
+
+    def _arrived(self, position: int) -> bool:
+        self._refresh()
+        return self._ended or self._starts[-1] > position
+
+    def window_lengths(self, w: int, size: int) -> list[int]:
+        """Stored lengths at positions [w*size, (w+1)*size) once they have all arrived ([] past the end)."""
+        end = (w + 1) * size
+        self._wait_for(lambda: self._arrived(end - 1), f"window {w} (stream positions < {end})")
+        out = []
+        for p in range(w * size, min(end, self._starts[-1])):
+            c = bisect.bisect_right(self._starts, p) - 1
+            out.append(self._chunks[c]["lengths"][p - self._starts[c]])
+        return out
+
+    # ---- items ------------------------------------------------------------------------------------
+    def __getitem__(self, p: int) -> dict:
+        self._wait_for(lambda: self._arrived(p), f"stream position {p}")
+        if p >= self._starts[-1]:
+            raise IndexError(f"stream position {p} past the end of the stream ({self._starts[-1]} sequences)")
+        c = bisect.bisect_right(self._starts, p) - 1
+        chunk = self._chunks[c]["chunk"]
+        if chunk not in self._open:
+            try:
+                self._open = {chunk: HiddenStateStore(self.spool.chunk_dir(chunk), verify=self.verify)}
+            except StoreError as e:
+                raise TrainInputError(f"spool chunk {chunk}: {e}; delete the spool's log line and chunk from {chunk} "
+                                      f"on and restart the producer") from e
+        item = self._open[chunk][p - self._starts[c]]
+        if item["id"] != self._chunks[c]["ids"][p - self._starts[c]]:
+            raise TrainInputError(f"spool chunk {chunk} holds {item['id']!r} where its log line says "
+                                  f"{self._chunks[c]['ids'][p - self._starts[c]]!r}: a damaged spool")
+        return item
+
+    # ---- freeing ----------------------------------------------------------------------------------
+    def chunks_before(self, position: int | None) -> int:
+        """Leading chunks whose every sequence sits before stream position `position` (None: every chunk)."""
+        self._refresh()
+        return len(self._chunks) if position is None else bisect.bisect_right(self._starts, position) - 1
+
+    def release(self, rank: int, stream_position: int | None) -> None:
+        """Rank `rank` needs no chunk wholly before `stream_position` (None: none at all) any more."""
+        self.spool.ack(rank, self.chunks_before(stream_position))
+
+    def reclaim(self, world_size: int) -> int:
+        return self.spool.reclaim(world_size)
+
+    def summary(self) -> dict:
+        status = self.spool.status() or {}
+        end = self.spool.end() or {}
+        return {"spool": str(self.dir), "chunks_seen": len(self._chunks), "stream_complete": self._ended,
+                "trainer_wait_s": round(self.wait_s, 3), "target_passes": self.plan["recapture"],
+                **{k: end.get(k, status.get(k)) for k in ("tokens_captured", "peak_bytes", "cap_bytes",
+                                                          "producer_wait_s", "pauses", "disk_full")}}
+
+
+class StoreWindows:
+    """An offline store read in stream order (prepared row index): `view[p]` is the store's sequence at
+    stream position p, so data.order=windows on a store trains exactly what the stream of it would."""
+
+    def __init__(self, store: HiddenStateStore, prepared_split: Path):
+        import datasets
+
+        rows = {sid: i for i, sid in enumerate(datasets.load_from_disk(str(prepared_split))["id"])}
+        missing = [sid for sid in store.ids if sid not in rows]
+        if missing:
+            raise TrainInputError(f"{store.dir}: sequences {missing[:3]} are not in the prepared split {prepared_split}")
+        self.store = store
+        self.order = sorted(range(len(store)), key=lambda i: rows[store.ids[i]])
+        self.lengths = [store.lengths[i] for i in self.order]
+        self.image_token_id = store.image_token_id
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, p: int) -> dict:
+        return self.store[self.order[p]]
+
+
+def make_stream(config, items, rank: int, world_size: int):
+    """The batch stream of this run (data.order resolved once, in the config schema)."""
+    d = config.data
+    if d.resolved_order() == "epochs":
+        return BatchStream(items.lengths, d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size,
+                           d.bucket_window)
+    S = d.window_sequences
+    if isinstance(items, SpoolStore):
+        lengths = lambda w: items.window_lengths(w, S)  # noqa: E731
+    else:
+        lengths = lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]]  # noqa: E731
+    return WindowedStream(lengths, S, d.reuse, d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size,
+                          d.bucket_window)
+
+
+def planned_stream(config, items, rank: int, world_size: int) -> WindowedStream:
+    """The stream the planned lengths give (every length known up front): what total steps are sized on."""
+    d, S = config.data, config.data.window_sequences
+    return WindowedStream(lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]], S, d.reuse,
+                          d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size, d.bucket_window)
