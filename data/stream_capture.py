@@ -68,8 +68,13 @@ class Producer:
 
     def __init__(self, cfg, spool: Spool, marks: Watermarks):
         self.cfg, self.spool, self.marks = cfg, spool, marks
-        self.paused, self.wait_s, self.pauses, self.disk_full = False, 0.0, 0, 0
-        self.peak_bytes, self.tokens, self.sequences = 0, 0, 0
+        before = spool.status() or {}  # a restarted producer carries on the counts of the runs before it
+        published = spool.chunks()
+        self.paused = False
+        self.wait_s, self.pauses = float(before.get("wait_s", 0.0)), int(before.get("pauses", 0))
+        self.disk_full, self.peak_bytes = int(before.get("disk_full", 0)), int(before.get("peak_bytes", 0))
+        self.tokens = sum(e["tokens"] for e in published)
+        self.sequences = sum(len(e["ids"]) for e in published)
 
     def status(self, state: str, **extra) -> None:
         self.spool.write_status(state=state, wait_s=round(self.wait_s, 3), pauses=self.pauses,
@@ -122,7 +127,7 @@ class Producer:
             store = HiddenStateStore(tmp, verify="none")
             self.spool.publish(tmp, g, {"pass": e, "ids": store.ids, "lengths": store.lengths,
                                         "skipped": manifest["skipped"], "tokens": manifest["num_tokens"],
-                                        "bytes": dir_bytes(self.spool.chunk_dir(g))})
+                                        "bytes": dir_bytes(tmp)})
             self.tokens += manifest["num_tokens"]
             self.sequences += len(store)
             g += 1

@@ -25,7 +25,7 @@ from tests.fixtures.train_world import config_for, world  # noqa: F401 (fixture)
 from train.inputs import TrainInputError
 from train.loop import run_train
 
-WINDOW, REUSE, CHUNK = 8, 2, 3
+WINDOW, REUSE, CHUNK = 6, 2, 3  # a window is two whole chunks
 
 
 def stream_capture_config(tmp_path, targets, prepared, **stream):  # noqa: F811
@@ -52,6 +52,36 @@ def offline(tmp_path_factory, targets, prepared):  # noqa: F811
                        Dist())
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, world, offline):  # noqa: F811
+    """The offline store trained in the stream's windows: what every streamed run must reproduce bit for bit."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return run_train(train_config(world, tmp, offline, "ref", **{"data.order": "windows"}))
+
+
+def producer_argv(tmp_path, targets, prepared, **stream):  # noqa: F811
+    """The real entry point (`make capture-hidden ARGS=...`) with the fixture's capture settings."""
+    cfg = stream_capture_config(tmp_path, targets, prepared, **stream)
+    over = [f"paths.root={tmp_path}", f"target.path={cfg.target.path}", f"target.tokenizer={cfg.target.tokenizer}",
+            f"target.layout={cfg.target.layout}", f"in_dir={cfg.in_dir}", f"out_dir={cfg.out_dir}", "dtype=float32",
+            "progress=false", "max_tokens_per_batch=1", "shard_tokens=200",
+            *[f"stream.{k}={v}" for k, v in {"enabled": "true", "chunk_sequences": CHUNK, "poll_s": 0.05,
+                                              **stream}.items()]]
+    return [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *over], Path(cfg.out_dir)
+
+
+def start_producer(argv, log: Path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+
+
+def wait_until(cond, timeout=120, what=""):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_watermarks_pause_above_high_and_resume_only_below_low():
     m = Watermarks.from_gb(1e-6, 0.9, 0.5)  # 1000 bytes
     assert (m.cap, m.high, m.low) == (1000, 900, 500)
@@ -59,16 +89,114 @@ def test_watermarks_pause_above_high_and_resume_only_below_low():
     assert must_pause(600, m, paused=True) and not must_pause(500, m, paused=True)
 
 
-def test_stream_trains_bit_identically_to_the_offline_store_in_the_same_windows(tmp_path, world, targets,  # noqa: F811
-                                                                                 prepared, offline):
-    spool = run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist())
-    entries = Spool(spool).chunks()
-    assert len(entries) > 2 and Spool(spool).end()["tokens_captured"] == HiddenStateStore(offline / "train").num_tokens
-    ref = run_train(train_config(world, tmp_path, offline, "ref", **{"data.order": "windows"}))
-    got = run_train(train_config(world, tmp_path, spool.parent, "got", **{"data.source": "stream"}))
-    a, b = final_weights(ref), final_weights(got)
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory, targets, prepared):  # noqa: F811
+    """A complete stream (a cap it never reaches): the producer run alone, before any consumer."""
+    return run_stream_capture(stream_capture_config(tmp_path_factory.mktemp("streamed"), targets, prepared,
+                                                    max_gb=1.0), Dist())
+
+
+def test_stream_trains_bit_identically_to_the_offline_store_in_the_same_windows(tmp_path, world, streamed,  # noqa: F811
+                                                                                 offline, reference):
+    spool = Spool(streamed)
+    assert len(spool.chunks()) > 2 and spool.end()["tokens_captured"] == HiddenStateStore(offline / "train").num_tokens
+    assert spool.end()["pauses"] == 0
+    got = run_train(train_config(world, tmp_path, streamed.parent, "got", **{"data.source": "stream"}))
+    a, b = final_weights(reference), final_weights(got)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     m = json.loads((got / "manifest.json").read_text())
-    assert m["steps"] == json.loads((ref / "manifest.json").read_text())["steps"] > 0
+    assert m["steps"] == json.loads((reference / "manifest.json").read_text())["steps"] > 0
     assert m["stream"]["stream_complete"] and m["stream"]["reuse_per_sequence"] == REUSE
-    assert not list(Path(spool).glob("chunk-*"))  # every chunk freed once the run finished
+    assert not list(streamed.glob("chunk-*"))  # every chunk freed once the run finished
+
+
+def chunk_bytes(streamed) -> int:
+    """The largest chunk of this world's stream (the log of the complete stream records each one)."""
+    return max(e["bytes"] for e in Spool(streamed).chunks())
+
+
+def test_a_capped_spool_pauses_the_producer_survives_its_kill_9_and_trains_the_same_bits(tmp_path, world, targets,  # noqa: F811
+                                                                                       prepared, offline, reference,
+                                                                                       streamed):
+    store = HiddenStateStore(offline / "train")
+    longest_chunk = chunk_bytes(streamed)
+    # 4 of the largest chunk: the producer pauses after ~5 of 9; it resumes below 0.6 x 4 = 2.4 chunks, which
+    # always holds the window (two chunks) the consumer waits for
+    cap = 4 * longest_chunk
+    argv, out = producer_argv(tmp_path, targets, prepared, max_gb=cap / 1e9, high=0.9, low=0.6)
+    spool = Spool(out / "spool")
+    first = start_producer(argv, tmp_path / "producer.log")
+    try:
+        wait_until(lambda: len(spool.chunks()) >= 2 and (spool.status() or {}).get("state") == "paused",
+                   what="the producer to fill the spool and pause")  # backpressure: nobody is consuming yet
+        assert spool.used_bytes() <= cap + longest_chunk
+        first.send_signal(signal.SIGKILL)  # kill -9 at any moment: here, paused
+        first.wait()
+    finally:
+        first.kill()
+    published = len(spool.chunks())
+    second = start_producer(argv, tmp_path / "producer.log")
+    try:
+        got = run_train(train_config(world, tmp_path, out, "got", **{"data.source": "stream"}))
+        assert second.wait(timeout=300) == 0, (tmp_path / "producer.log").read_text()[-3000:]
+    finally:
+        second.kill()
+    a, b = final_weights(reference), final_weights(got)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # killed, paused and resumed: the same bits
+    log = (tmp_path / "producer.log").read_text()
+    assert f"resuming after chunk {published - 1}" in log
+    chunks = spool.chunks()
+    assert [e["chunk"] for e in chunks] == list(range(len(chunks)))  # nothing captured twice, nothing lost
+    assert sum(len(e["ids"]) for e in chunks) == len(store)
+    end = spool.end()
+    assert end["pauses"] > 0 and end["peak_bytes"] <= cap + longest_chunk, (end, cap)  # the cap, plus one in flight
+    assert not list(spool.root.glob("chunk-*")) and not list(spool.root.glob(".tmp-*"))
+    m = json.loads((got / "manifest.json").read_text())["stream"]
+    assert m["peak_bytes"] == end["peak_bytes"] and m["tokens_captured"] == store.num_tokens
+
+
+def test_a_trainer_killed_mid_stream_resumes_from_its_checkpoint_to_the_same_bits(tmp_path, world, targets,  # noqa: F811
+                                                                                  prepared, reference):
+    # (its own stream: the module's `streamed` one is consumed by the first test)
+    from eagle3 import hooks
+
+    spool = run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist())
+    cfg = train_config(world, tmp_path, spool.parent, "got", **{"data.source": "stream"})
+
+    def die(step):
+        if step == 5:
+            raise KeyboardInterrupt("killed")
+    with hooks.installed(hooks.TRAIN_AFTER_STEP, die), pytest.raises(KeyboardInterrupt):
+        run_train(cfg)
+    # the windows finished before the kill were checkpointed and freed; the rest is still there
+    acked = Spool(spool).acked(0)
+    assert 0 < acked < len(Spool(spool).chunks())
+    assert not any(Spool(spool).chunk_dir(i).exists() for i in range(acked))
+    got = run_train(cfg)
+    a, b = final_weights(reference), final_weights(got)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_silent_producer_is_named_after_the_timeout(tmp_path, world, targets, prepared):  # noqa: F811
+    cfg = stream_capture_config(tmp_path, targets, prepared, max_gb=1.0)
+    run_capture(__import__("dataclasses").replace(cfg, splits=["validation"]), Dist())  # the held-out split
+    spool = Spool(Path(cfg.out_dir) / "spool")
+    spool.root.mkdir(parents=True)
+    (spool.root / "plan.json").write_text(json.dumps({"header": {"hidden_size": 1}, "dtype": "float32",
+                                                      "aux_dtype": None, "sequences": [], "recapture": 1}))
+    spool.write_status(state="capturing", chunk=0)
+    with pytest.raises(TrainInputError, match=rf"producer pid {os.getpid()} \(capturing.*died or hangs.*Restart it"):
+        from train.spool_source import SpoolStore
+        SpoolStore(spool.root, "size", timeout_s=0.5, status_s=0.1).window_lengths(0, 4)
+
+
+def test_a_spool_too_small_for_one_window_is_an_error_not_a_hang(tmp_path, world, targets, prepared, streamed):  # noqa: F811
+    # 3 of the largest chunk: the producer pauses after ~3 chunks, but a window of 12 sequences needs 4
+    argv, out = producer_argv(tmp_path, targets, prepared, max_gb=3 * chunk_bytes(streamed) / 1e9, high=0.9, low=0.5)
+    producer = start_producer(argv, tmp_path / "producer.log")
+    try:
+        with pytest.raises(TrainInputError, match=r"spool is full.*Raise the producer's stream.max_gb"):
+            run_train(train_config(world, tmp_path, out, "got", **{"data.source": "stream",
+                                                                   "data.window_sequences": 12}))
+    finally:
+        producer.kill()

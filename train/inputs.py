@@ -76,6 +76,11 @@ def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def open_inputs(config) -> TrainInputs:
     capture_dir, vocab_dir = Path(config.capture_dir), Path(config.vocab_dir)
+    if config.data.source == "stream":  # the producer captures the held-out split first, then writes the manifest
+        from train.spool_source import wait_for_producer
+
+        wait_for_producer(config, lambda: (capture_dir / "manifest.json").is_file(),
+                          "the capture manifest (the producer captures the held-out split first)")
     try:
         capture_manifest = read_manifest(capture_dir, "capture")
         vocab_manifest = read_manifest(vocab_dir, "vocab")
@@ -84,11 +89,10 @@ def open_inputs(config) -> TrainInputs:
         raise TrainInputError(str(e)) from e
     warnings = []
     if config.data.source == "stream":
-        from train.spool_source import SpoolStore
+        from train.spool_source import SpoolStore, spool_root
 
         d = config.data
-        root = Path(d.spool_dir) if Path(d.spool_dir).is_absolute() else capture_dir / d.spool_dir
-        train = SpoolStore(root, d.verify, d.stream_timeout_s, d.stream_status_s)
+        train = SpoolStore(spool_root(config), d.verify, d.stream_timeout_s, d.stream_status_s)
     else:
         train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
     val = None

@@ -20,7 +20,20 @@ from eagle3.formats.store import HiddenStateStore, StoreError
 from train.batches import BatchStream, WindowedStream
 from train.inputs import TrainInputError
 
+PAUSED_DEADLOCK_S = 5.0  # a producer paused this long while the trainer waits can never resume (see _wait_for)
 PRODUCER_HINT = 'make capture-hidden ARGS="stream.enabled=true ..." (the same capture config)'
+
+
+def spool_root(config) -> Path:
+    """The spool of a data.source=stream run: data.spool_dir, absolute or inside capture_dir."""
+    d = Path(config.data.spool_dir)
+    return d if d.is_absolute() else Path(config.capture_dir) / d
+
+
+def wait_for_producer(config, ready, what: str) -> None:
+    """Wait, as a spool consumer waits, for something the producer writes (status lines, the timeout)."""
+    d = config.data
+    SpoolStore.waiter(spool_root(config), d.stream_timeout_s, d.stream_status_s)._wait_for(ready, what)
 
 
 class SpoolStore:
@@ -29,9 +42,8 @@ class SpoolStore:
     what the LR schedule is sized on."""
 
     def __init__(self, root: str | Path, verify: str, timeout_s: float, status_s: float, main: bool = True):
-        self.dir, self.spool, self.verify = Path(root), Spool(root), verify
-        self.timeout_s, self.status_s, self.main = timeout_s, status_s, main
-        self.wait_s = 0.0
+        self._setup_wait(root, timeout_s, status_s, main)
+        self.verify = verify
         self._wait_for(lambda: (self.dir / PLAN).is_file(), "its plan (no producer has started)")
         self.plan = read_json(self.dir / PLAN, TrainInputError)
         self.manifest = {**self.plan["header"], "dtype": self.plan["dtype"], "aux_dtype": self.plan["aux_dtype"],
@@ -54,6 +66,18 @@ class SpoolStore:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def _setup_wait(self, root, timeout_s: float, status_s: float, main: bool = True) -> None:
+        self.dir, self.spool = Path(root), Spool(root)
+        self.timeout_s, self.status_s, self.main = timeout_s, status_s, main
+        self.wait_s, self._chunks = 0.0, []
+
+    @classmethod
+    def waiter(cls, root, timeout_s: float, status_s: float) -> "SpoolStore":
+        """Only the waiting part (before the plan exists)."""
+        obj = cls.__new__(cls)
+        obj._setup_wait(root, timeout_s, status_s)
+        return obj
+
     # ---- arrival ---------------------------------------------------------------------------------
     def _refresh(self) -> None:
         try:
@@ -71,9 +95,18 @@ class SpoolStore:
         """Poll until ready(); a status line every status_s; an error naming the producer after timeout_s
         without a heartbeat or a new chunk."""
         t0 = last_line = time.monotonic()
+        paused_since = None
         while not ready():
             now = time.monotonic()
             status = self.spool.status()
+            paused_since = (paused_since or now) if status and status.get("state") == "paused" else None
+            if paused_since is not None and now - paused_since > PAUSED_DEADLOCK_S:
+                raise TrainInputError(
+                    f"{self.dir}: the spool is full (the producer is paused: {status.get('used_bytes', 0) / 1e6:.1f} MB "
+                    f"on disk, it resumes below its low watermark) while this run waits for {what}, which needs "
+                    f"more chunks than that: nothing can be freed until the window is complete. Raise the "
+                    f"producer's stream.max_gb (or stream.low), or lower data.window_sequences "
+                    f"({self.window_hint()})")
             beat = status.get("heartbeat", 0) if status else 0
             quiet = min(now - t0, time.time() - beat) if status else now - t0
             who = (f"producer pid {status['pid']} ({status.get('state')}, last heard {time.time() - beat:.0f}s ago)"
@@ -91,6 +124,14 @@ class SpoolStore:
             time.sleep(0.05)
         self.wait_s += time.monotonic() - t0
         return True
+
+    def window_hint(self) -> str:
+        status = self.spool.status() or {}
+        per_seq = [e["bytes"] / max(1, len(e["ids"])) for e in self._chunks]
+        if not per_seq or not status.get("cap_bytes"):
+            return "the chunks' sizes are not known yet"
+        return (f"a chunk holds ~{sum(per_seq) / len(per_seq) * self.plan['chunk_sequences'] / 1e6:.2f} MB; "
+                f"the cap is {status['cap_bytes'] / 1e6:.1f} MB")
 
     def _arrived(self, position: int) -> bool:
         self._refresh()
