@@ -200,3 +200,101 @@ def test_a_spool_too_small_for_one_window_is_an_error_not_a_hang(tmp_path, world
                                                                    "data.window_sequences": 12}))
     finally:
         producer.kill()
+
+
+def test_spool_log_is_the_done_marker_and_chunks_go_only_after_every_rank(tmp_path):
+    spool = Spool(tmp_path / "s")
+    spool.root.mkdir()
+    for i in range(3):
+        tmp = spool.new_tmp(i)
+        tmp.mkdir()
+        (tmp / "x").write_bytes(b"0" * 100)
+        spool.publish(tmp, i, {"ids": [f"s{i}"], "bytes": 100})
+    (spool.root / "log.jsonl").open("a").write('{"chunk": 3, "ids"')  # the producer died mid-append
+    spool.new_tmp(4).mkdir()                                        # ... and mid-chunk
+    assert [e["chunk"] for e in spool.chunks()] == [0, 1, 2]           # a torn line is not published
+    (spool.root / "chunk-000003").mkdir()                              # renamed, never logged
+    spool.recover()
+    assert sorted(p.name for p in spool.root.iterdir() if p.is_dir()) == ["chunk-000000", "chunk-000001",
+                                                                          "chunk-000002"]
+    assert spool.used_bytes() == 300
+    spool.ack(0, 2)
+    assert spool.reclaim(world_size=2) == 0 and spool.chunk_dir(0).exists()  # rank 1 still needs them
+    spool.ack(1, 1)
+    spool.ack(1, 0)  # an ack never moves back
+    assert spool.reclaim(world_size=2) == 1 and not spool.chunk_dir(0).exists() and spool.chunk_dir(1).exists()
+    assert spool.acked(1) == 1 and spool.used_bytes() == 200
+
+
+def test_a_full_disk_drops_the_unfinished_chunk_and_captures_it_again(tmp_path, targets, prepared, monkeypatch,  # noqa: F811
+                                                                       streamed):
+    import errno
+
+    import data.stream_capture as sc
+
+    real, calls = sc.open_writer, []
+
+    def open_writer(store_dir, cfg, header, meta):
+        w = real(store_dir, cfg, header, meta)
+        calls.append(meta["chunk"])
+        if calls.count(2) == 1 and meta["chunk"] == 2:  # the first try of chunk 2 meets a full disk
+            finish = w.finish
+
+            def full(**kw):
+                finish(**kw)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            w.finish = full
+        return w
+    monkeypatch.setattr(sc, "open_writer", open_writer)
+    spool = Spool(run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist()))
+    assert calls.count(2) == 2 and spool.end()["disk_full"] == 1
+    assert [e["ids"] for e in spool.chunks()] == [e["ids"] for e in Spool(streamed).chunks()]  # nothing lost or twice
+    assert not list(spool.root.glob(".tmp-*"))
+
+
+def test_a_corrupt_chunk_is_refused_by_name(tmp_path, world, targets, prepared):  # noqa: F811
+    spool = run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist())
+    shard = sorted((spool / "chunk-000001").glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # same size, one bit pattern changed: only the sha256 sees it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(TrainInputError, match=r"spool chunk 1: .*sha256 mismatch"):
+        run_train(train_config(world, tmp_path, spool.parent, "got", **{"data.source": "stream"}))
+
+
+def test_nan_samples_are_counted_skips_and_the_stream_batches_the_offline_stores_sequences(tmp_path, world, targets,  # noqa: F811
+                                                                                     prepared):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_capture import load_split
+    rows = load_split(prepared, "train")["input_ids"]
+    counts = torch.bincount(torch.tensor([t for r in rows for t in set(r)]), minlength=512)
+    rare = int(torch.nonzero((counts >= 1) & (counts <= 3))[0])
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(targets["k25"], poisoned)
+    sd = load_file(poisoned / "model.safetensors")
+    sd["language_model.model.embed_tokens.weight"][rare] = float("nan")
+    save_file(sd, poisoned / "model.safetensors", metadata={"format": "pt"})
+    bad = {**targets, "k25": poisoned}
+    spool = Spool(run_stream_capture(stream_capture_config(tmp_path, bad, prepared, max_gb=1.0), Dist()))
+    skipped = [s["id"] for e in spool.chunks() for s in e["skipped"]]
+    assert skipped and all(s["reason"] == "non_finite" for e in spool.chunks() for s in e["skipped"])
+    offline = run_capture(capture_config(tmp_path, bad, prepared, out="offline", overrides=["max_tokens_per_batch=1"]),
+                          Dist())
+    assert not set(skipped) & set(HiddenStateStore(offline / "train").ids)
+    # the same windows over the same stored sequences: the stream's batches are the offline store's, id for id
+    from train.spool_source import SpoolStore, StoreWindows, make_stream
+    cfg = train_config(world, tmp_path, spool.root.parent, "got", **{"data.source": "stream"})
+    items = SpoolStore(spool.root, "sha256", 60, 30)
+    view = StoreWindows(HiddenStateStore(offline / "train"), prepared / "train")
+
+    def plan_ids(stream, source):
+        return [[source[p]["id"] for p in batch] for _, batch in stream.iterate()]
+    assert plan_ids(make_stream(cfg, items, 0, 1), items) == plan_ids(make_stream(cfg, view, 0, 1), view)
+    # and it trains to the end; the schedule was sized on the planned sequences, so it may end a step early
+    got = run_train(cfg)
+    m = json.loads((got / "manifest.json").read_text())
+    planned = m["total_steps"]
+    assert m["steps"] <= planned and (m["steps"] == planned) == (m["data_order"]["stream_ended_at_step"] is None)

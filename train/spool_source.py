@@ -154,13 +154,14 @@ class SpoolStore:
             raise IndexError(f"stream position {p} past the end of the stream ({self._starts[-1]} sequences)")
         c = bisect.bisect_right(self._starts, p) - 1
         chunk = self._chunks[c]["chunk"]
-        if chunk not in self._open:
-            try:
+        try:
+            if chunk not in self._open:
                 self._open = {chunk: HiddenStateStore(self.spool.chunk_dir(chunk), verify=self.verify)}
-            except StoreError as e:
-                raise TrainInputError(f"spool chunk {chunk}: {e}; delete the spool's log line and chunk from {chunk} "
-                                      f"on and restart the producer") from e
-        item = self._open[chunk][p - self._starts[c]]
+            item = self._open[chunk][p - self._starts[c]]
+        except StoreError as e:  # never trained on: the run stops at the last checkpoint
+            raise TrainInputError(f"spool chunk {chunk}: {e}. Stop the producer, delete chunk {chunk} and later ones "
+                                  f"with their lines in {self.spool.root / 'log.jsonl'}, restart it; this run then "
+                                  f"resumes from its last checkpoint") from e
         if item["id"] != self._chunks[c]["ids"][p - self._starts[c]]:
             raise TrainInputError(f"spool chunk {chunk} holds {item['id']!r} where its log line says "
                                   f"{self._chunks[c]['ids'][p - self._starts[c]]!r}: a damaged spool")

@@ -147,7 +147,7 @@ class Trainer:
             self.stats = StepStats(self.config.ttt_length, self.device, self.config.step_decay)  # tokens/s from here
             bar = progress_bar(self.total, c.step, enabled=self.config.progress and self.main)
             self.objective.train()
-            while c.step < self.total:
+            while c.step < self.total and self.stream_ended_at is None:
                 if not self.step(loader):
                     continue  # a skipped non-finite update, or the end of a windowed stream
                 bar.update(1)
@@ -198,7 +198,6 @@ class Trainer:
         hosts = loader.peek_hosts(cfg.grad_accum)  # counts and id checks on the host copies
         if len(hosts) < cfg.grad_accum and isinstance(self.stream, WindowedStream):
             self.stream_ended_at = c.step  # a windowed stream ends with its data (a tail < grad_accum unused)
-            self.total = c.step
             return False
         if len(hosts) < cfg.grad_accum:  # the batch stream repeats epochs: only a broken reader ends
             raise RuntimeError(f"step {c.step + 1}: the batch reader ended after {c.position + len(hosts)} micro-batches")
