@@ -291,3 +291,21 @@ def test_bf16_step_runs_and_is_close_to_fp32():
     got, _ = model_ttt_unroll(mb, tokens, aux.bfloat16(), 3)
     assert got[2].dtype == torch.bfloat16
     torch.testing.assert_close(got[2].float(), ref[2], rtol=0.05, atol=0.05)
+
+
+def test_a_batch_without_loss_positions_gives_every_trainable_parameter_a_zero_gradient():
+    """DDP reduces every parameter's gradient on every rank: a rank whose micro-batch has no valid position
+    (all prompt, or targets outside the draft vocab) must still produce one, zero, for lm_head and the norm."""
+    from eagle3.ttt.unroll import ttt_unroll
+
+    cfg = tiny_cfg()
+    m = randomized(cfg).float()
+    B, T = 2, 6
+    out = ttt_unroll(m, torch.randn(B, T, 3 * cfg.target_hidden_size), torch.randint(0, cfg.vocab_size, (B, T)),
+                     torch.randn(B, T, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (B, T)),
+                     torch.zeros(B, T, dtype=torch.bool), torch.randn(cfg.draft_vocab_size, cfg.hidden_size), 3)
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and float(out.count.sum()) == 0
+    trainable = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    assert {n for n, p in trainable.items() if p.grad is None} == set()
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in trainable.values())

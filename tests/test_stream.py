@@ -298,3 +298,32 @@ def test_nan_samples_are_counted_skips_and_the_stream_batches_the_offline_stores
     m = json.loads((got / "manifest.json").read_text())
     planned = m["total_steps"]
     assert m["steps"] <= planned and (m["steps"] == planned) == (m["data_order"]["stream_ended_at_step"] is None)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_read_their_shares_of_the_stream_and_free_it_together(tmp_path, world, targets,  # noqa: F811
+                                                                                prepared, offline):
+    """gloo DDP over 2 CPU processes (as `accelerate launch`): each rank takes its share of every window, both
+    ranks' acks are needed before a chunk goes, and the result is the offline store's in the same windows."""
+    from tests.fixtures.train_world import overrides
+    from tests.test_train_ddp import free_port
+
+    spool = run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist())
+    common = {"capture_dir": None, "max_steps": 1000, "epochs": "null", "data.window_sequences": WINDOW,
+              "data.reuse": REUSE, "checkpoint_every": 1000}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outs = {}
+    for name, capture_dir, extra in (("offline", offline, {"data.order": "windows"}),
+                                     ("stream", spool.parent, {"data.source": "stream"})):
+        outs[name] = tmp_path / f"train-{name}"
+        args = overrides(world, outs[name], "scratch", **{**common, "capture_dir": str(capture_dir), **extra})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(REPO_ROOT / "train" / "run.py"), *args]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        (tmp_path / f"{name}.log").write_text(res.stdout + res.stderr)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert "on 2 process(es)" in res.stdout
+    s = Spool(spool)
+    assert s.acked(0) == s.acked(1) == len(s.chunks()) and not list(spool.glob("chunk-*"))
+    a, b = final_weights(outs["offline"]), final_weights(outs["stream"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
