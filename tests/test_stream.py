@@ -327,3 +327,34 @@ def test_two_ddp_processes_read_their_shares_of_the_stream_and_free_it_together(
     assert s.acked(0) == s.acked(1) == len(s.chunks()) and not list(spool.glob("chunk-*"))
     a, b = final_weights(outs["offline"]), final_weights(outs["stream"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_vllm_backend_streams_through_its_connector_into_the_same_chunks(tmp_path, targets, prepared,  # noqa: F811
+                                                                            streamed, offline):
+    """Producer backend=vllm (the stand-in speaking vLLM 0.34.0's protocol): chunks bit-equal to the hf
+    backend's, every connector file deleted (a capped spool cannot afford a forgotten one)."""
+    import re
+
+    from data.capture import CaptureError
+    from tests.fixtures.vllm_capture import assert_no_connector_files
+    from tests.standins.vllm_standin import StandinServer
+    from tests.test_capture_vllm import free_port
+
+    over = ["backend=vllm", f"vllm.url=http://127.0.0.1:{free_port()}", "vllm.timeout_s=30", "vllm.lock_timeout_s=10"]
+    cfg = capture_config(tmp_path, targets, prepared, out="stream", overrides=[
+        "max_tokens_per_batch=1", *over, "stream.enabled=true", f"stream.chunk_sequences={CHUNK}", "stream.max_gb=1"])
+    with pytest.raises(CaptureError, match="no vLLM server answers") as e:
+        run_stream_capture(cfg, Dist())
+    cmd = re.search(r"(vllm serve .*)$", str(e.value)).group(1)
+    with StandinServer.from_command(cmd, "kimi_k25"):
+        spool = Spool(run_stream_capture(cfg, Dist()))
+    ref = Spool(streamed)
+    assert [c["ids"] for c in spool.chunks()] == [c["ids"] for c in ref.chunks()]
+    hf = HiddenStateStore(offline / "train")  # the hf backend's states of the same sequences, one forward each
+    for c in spool.chunks():
+        got = HiddenStateStore(spool.chunk_dir(c["chunk"]))
+        assert got.meta["backend"] == "vllm" and got.ids == c["ids"]
+        for i, sid in enumerate(got.ids):
+            want = hf[hf.ids.index(sid)]
+            assert all(torch.equal(got[i][k], want[k]) for k in ("aux", "last", "target_argmax", "input_ids"))
+    assert_no_connector_files(cfg)
