@@ -358,3 +358,34 @@ def test_the_vllm_backend_streams_through_its_connector_into_the_same_chunks(tmp
             want = hf[hf.ids.index(sid)]
             assert all(torch.equal(got[i][k], want[k]) for k in ("aux", "last", "target_argmax", "input_ids"))
     assert_no_connector_files(cfg)
+
+
+def test_the_stream_benchmark_measures_disk_and_waits_and_finds_the_same_bits(tmp_path, world, targets,  # noqa: F811
+                                                                              prepared):
+    from tests.fixtures.benchmarks import load_benchmark
+    from tests.fixtures.train_world import overrides
+
+    capture = [f"paths.root={tmp_path}", f"target.path={targets['k25']}", f"target.tokenizer={targets['k25']}",
+               "target.layout=kimi_k25", f"in_dir={prepared}", "dtype=float32", "max_tokens_per_batch=1",
+               "shard_tokens=200"]
+    train = [o for o in overrides(world, tmp_path / "unused", "scratch", max_steps=1000, epochs="null",
+                                  checkpoint_every=1000) if not o.startswith(("capture_dir=", "out_dir="))]
+    out = load_benchmark("bench_stream").main(["--capture", *capture, "--train", *train, "--cap-fraction", "0.5",
+                                               "--window", str(WINDOW), "--reuse", str(REUSE), "--chunk", str(CHUNK),
+                                               "--work", str(tmp_path / "work")])
+    assert out["bit_identical"] and out["peak_bytes"] < out["offline_store_bytes"]
+    assert out["peak_over_cap"] <= 1.0 + 0.5 and out["tokens_captured"] > 0
+
+
+def test_recapture_passes_the_target_over_the_prompts_again_and_reports_it(tmp_path, world, targets, prepared):  # noqa: F811
+    spool = Spool(run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0, recapture=2),
+                                     Dist()))
+    chunks = spool.chunks()
+    half = len(chunks) // 2
+    assert [c["pass"] for c in chunks] == [0] * half + [1] * half
+    assert [c["ids"] for c in chunks[:half]] == [c["ids"] for c in chunks[half:]]
+    got = run_train(train_config(world, tmp_path, spool.root.parent, "got", **{"data.source": "stream",
+                                                                                "data.reuse": 1}))
+    m = json.loads((got / "manifest.json").read_text())["stream"]
+    assert m["target_passes"] == 2 and m["tokens_captured"] == 2 * sum(c["tokens"] for c in chunks[:half])
+    assert m["reuse_per_sequence"] == 1 and m["stream_complete"]

@@ -1,0 +1,99 @@
+"""Online training's disk and waits: the same prepared data captured offline (the store's bytes) and
+streamed through a capped spool while the drafter trains (data/stream_capture.py + data.source=stream),
+in one command on one machine. Reports the offline store's bytes, the spool's cap and measured high-water
+mark (ratios to the store), the producer's and the trainer's waits, both wall times, and whether the
+streamed drafter is bit-identical to the offline one trained in the same windows.
+
+  python benchmarks/bench_stream.py --capture conf-overrides... --train conf-overrides... --cap-fraction 0.25
+  e.g. on the mini world (after `make mini-world prepare vocab`):
+  python benchmarks/bench_stream.py --cap-fraction 0.25 --capture target=k25_mini --train +init=scratch max_steps=200
+
+The producer runs as its own process (`data/run_capture.py stream.enabled=true ...`, as a user runs it); the
+trainer in this one. Both read their stage configs with the overrides given (paths.root, target, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3 import REPO_ROOT
+
+
+def run(capture_over: list[str], train_over: list[str], cap_fraction: float, window: int, reuse: int,
+        chunk: int, work: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from data.capture import run_capture
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.capture import CaptureConfig
+    from eagle3.config.schema.train import TrainConfig
+    from eagle3.formats.spool import Spool
+    from train.loop import run_train
+
+    offline_dir, stream_dir = work / "capture-offline", work / "capture-stream"
+    cap_cfg = to_schema(compose("capture", [*capture_over, f"out_dir={offline_dir}", "progress=false"]), CaptureConfig)
+    t0 = time.time()
+    run_capture(cap_cfg)
+    offline_capture_s = time.time() - t0
+    store_bytes = sum(p.stat().st_size for p in (offline_dir / "train").rglob("*") if p.is_file())
+    cap_gb = store_bytes * cap_fraction / 1e9
+    common = [*train_over, f"data.window_sequences={window}", f"data.reuse={reuse}", "progress=false"]
+    t0 = time.time()
+    ref = run_train(to_schema(compose("train", [*common, f"capture_dir={offline_dir}", f"out_dir={work / 'train-offline'}",
+                                                "data.order=windows"]), TrainConfig))
+    offline_train_s = time.time() - t0
+
+    producer = [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *capture_over, f"out_dir={stream_dir}",
+                "progress=false", "stream.enabled=true", f"stream.max_gb={cap_gb}", f"stream.chunk_sequences={chunk}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    t0 = time.time()
+    with open(work / "producer.log", "w") as log:
+        proc = subprocess.Popen(producer, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            got = run_train(to_schema(compose("train", [*common, f"capture_dir={stream_dir}",
+                                                        f"out_dir={work / 'train-stream'}", "data.source=stream"]),
+                                      TrainConfig))
+            rc = proc.wait(timeout=600)
+        finally:
+            proc.kill()
+    stream_s = time.time() - t0
+    if rc != 0:
+        raise SystemExit(f"producer failed (rc {rc}); see {work / 'producer.log'}")
+    end = Spool(stream_dir / "spool").end()
+    a, b = load_file(str(ref / "final" / "model.safetensors")), load_file(str(got / "final" / "model.safetensors"))
+    manifest = json.loads((got / "manifest.json").read_text())
+    return {"offline_store_bytes": store_bytes, "cap_bytes": end["cap_bytes"], "peak_bytes": end["peak_bytes"],
+            "peak_over_store": round(end["peak_bytes"] / store_bytes, 4),
+            "peak_over_cap": round(end["peak_bytes"] / end["cap_bytes"], 4),
+            "producer_pauses": end["pauses"], "producer_wait_s": end["producer_wait_s"],
+            "trainer_wait_s": manifest["stream"]["trainer_wait_s"], "offline_capture_s": round(offline_capture_s, 2),
+            "offline_train_s": round(offline_train_s, 2), "stream_wall_s": round(stream_s, 2),
+            "stream_over_offline_wall": round(stream_s / (offline_capture_s + offline_train_s), 3),
+            "bit_identical": a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a),
+            "steps": manifest["steps"], "tokens_captured": end["tokens_captured"],
+            "tokens_trained": manifest["stream"]["tokens_trained"]}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--capture", nargs="*", default=[], help="overrides of conf/capture.yaml")
+    p.add_argument("--train", nargs="*", default=[], help="overrides of conf/train.yaml (+init=... among them)")
+    p.add_argument("--cap-fraction", type=float, default=0.25, help="spool cap as a fraction of the offline store")
+    p.add_argument("--window", type=int, default=64, help="data.window_sequences")
+    p.add_argument("--reuse", type=int, default=1, help="data.reuse")
+    p.add_argument("--chunk", type=int, default=8, help="stream.chunk_sequences")
+    p.add_argument("--work", type=Path, required=True, help="a scratch directory")
+    a = p.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    out = run(a.capture, a.train, a.cap_fraction, a.window, a.reuse, a.chunk, a.work)
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
