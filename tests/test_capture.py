@@ -15,13 +15,7 @@ from eagle3.config.conf import ConfigError, compose, to_schema
 from eagle3.config.schema.capture import CaptureConfig
 from eagle3.formats.store import HiddenStateStore
 from numeric_checks import assert_argmax_up_to_ties
-from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
-
-
-def load_split(prepared, split):
-    import datasets
-
-    return datasets.load_from_disk(str(prepared / split))
+from tests.fixtures.capture import LAYOUT, capture_config, load_split, prepared, targets  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("which", ["k25", "k2"])

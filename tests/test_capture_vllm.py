@@ -5,7 +5,6 @@ faults (package missing, engine unreachable, engine dead mid-run, a connector fi
 fail clearly or recover, and leave a store that a rerun completes to the same result, with no files left."""
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -20,12 +19,9 @@ from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.capture import LAYOUT, capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_capture import LIMIT, assert_no_connector_files, assert_same_store, hf_store  # noqa: F401
 from tests.standins.vllm_standin import Faults, StandinError, StandinServer, fake_vllm_module, parse_serve_command
+from tests.fixtures.ports import free_port  # noqa: F401 (also used by other tests)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_config(tmp_path, targets, prepared, which="k25", out="vllm", port=None, overrides=()):

@@ -5,7 +5,6 @@ against prepare's; the store equals the HF backend's at every row (aux, last, ar
 lost; the serve line carries --trust-request-chat-template, and an engine started without it stops the run."""
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -20,14 +19,11 @@ from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.images import media_tokenizer, png_bytes, seeing_k25_target  # noqa: F401 (fixtures)
 from tests.fixtures.vllm_images import image_capture_config, image_hf_store, image_prepared  # noqa: F401
 from tests.standins.vllm_standin import Faults, StandinServer, fake_vllm_module
+from tests.fixtures.ports import free_port  # noqa: F401 (also used by other tests)
 
 KEYS = ("input_ids", "loss_mask", "aux", "last", "target_argmax")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_cfg(tmp_path, target, prepared, *overrides, port=None):

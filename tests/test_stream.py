@@ -268,7 +268,7 @@ def test_nan_samples_are_counted_skips_and_the_stream_batches_the_offline_stores
 
     from safetensors.torch import load_file, save_file
 
-    from tests.test_capture import load_split
+    from tests.fixtures.capture import load_split
     rows = load_split(prepared, "train")["input_ids"]
     counts = torch.bincount(torch.tensor([t for r in rows for t in set(r)]), minlength=512)
     rare = int(torch.nonzero((counts >= 1) & (counts <= 3))[0])
@@ -306,7 +306,7 @@ def test_two_ddp_processes_read_their_shares_of_the_stream_and_free_it_together(
     """gloo DDP over 2 CPU processes (as `accelerate launch`): each rank takes its share of every window, both
     ranks' acks are needed before a chunk goes, and the result is the offline store's in the same windows."""
     from tests.fixtures.train_world import overrides
-    from tests.test_train_ddp import free_port
+    from tests.fixtures.ports import free_port
 
     spool = run_stream_capture(stream_capture_config(tmp_path, targets, prepared, max_gb=1.0), Dist())
     common = {"capture_dir": None, "max_steps": 1000, "epochs": "null", "data.window_sequences": WINDOW,
@@ -338,7 +338,7 @@ def test_the_vllm_backend_streams_through_its_connector_into_the_same_chunks(tmp
     from data.capture import CaptureError
     from tests.fixtures.vllm_capture import assert_no_connector_files
     from tests.standins.vllm_standin import StandinServer
-    from tests.test_capture_vllm import free_port
+    from tests.fixtures.ports import free_port
 
     over = ["backend=vllm", f"vllm.url=http://127.0.0.1:{free_port()}", "vllm.timeout_s=30", "vllm.lock_timeout_s=10"]
     cfg = capture_config(tmp_path, targets, prepared, out="stream", overrides=[

@@ -4,7 +4,6 @@ and the loss is normalised over the whole optimizer step, so the trajectories an
 agree to float tolerance."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,13 +13,10 @@ from safetensors.torch import load_file
 
 from eagle3 import REPO_ROOT
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
+from tests.fixtures.ports import free_port  # noqa: F401 (also used by other tests)
 from train.loop import run_train
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -16,16 +16,14 @@ from typing import Optional
 import torch
 
 from eagle3.engines import aux_layers
-from eagle3.errors import StageError
 from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.formats.store import HiddenStateStore, StoreError
+from train.input_errors import TrainInputError  # noqa: F401 (its home; re-exported: train.inputs.TrainInputError)
 
 log = logging.getLogger(__name__)
 VOCAB_FILE = "vocab.safetensors"
 
 
-class TrainInputError(StageError, ValueError):
-    """Inputs that cannot be trained on together; the message says which and what to do."""
 
 
 @dataclass

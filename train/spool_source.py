@@ -18,7 +18,7 @@ from eagle3.formats.manifest import read_json
 from eagle3.formats.spool import PLAN, Spool, SpoolError
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.batches import BatchStream, WindowedStream
-from train.inputs import TrainInputError
+from train.input_errors import TrainInputError
 
 PAUSED_DEADLOCK_S = 5.0  # a producer paused this long while the trainer waits can never resume (see _wait_for)
 PRODUCER_HINT = 'make capture-hidden ARGS="stream.enabled=true ..." (the same capture config)'
