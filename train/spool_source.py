@@ -49,7 +49,6 @@ class SpoolStore:
         self.manifest = {**self.plan["header"], "dtype": self.plan["dtype"], "aux_dtype": self.plan["aux_dtype"],
                          "complete": False}
         self.lengths = [n for _, _, n in self.plan["sequences"]] * self.plan["recapture"]
-        self._chunks: list[dict] = []
         self._starts: list[int] = [0]  # stream position of each logged chunk's first sequence, then the end
         self._ended = False
         self._open: dict[int, HiddenStateStore] = {}
@@ -69,7 +68,7 @@ class SpoolStore:
     def _setup_wait(self, root, timeout_s: float, status_s: float, main: bool = True) -> None:
         self.dir, self.spool = Path(root), Spool(root)
         self.timeout_s, self.status_s, self.main = timeout_s, status_s, main
-        self.wait_s, self._chunks = 0.0, []
+        self.wait_s, self._chunks = 0.0, []  # the logged chunks, in order
 
     @classmethod
     def waiter(cls, root, timeout_s: float, status_s: float) -> "SpoolStore":
@@ -134,7 +133,10 @@ class SpoolStore:
                 f"the cap is {status['cap_bytes'] / 1e6:.1f} MB")
 
     def _arrived(self, position: int) -> bool:
-        self._refresh()
+        """Position `position` is logged (or the stream has ended); the log is read again only when what is
+        known already does not answer (every item read asks)."""
+        if not (self._ended or self._starts[-1] > position):
+            self._refresh()
         return self._ended or self._starts[-1] > position
 
     def window_lengths(self, w: int, size: int) -> list[int]:

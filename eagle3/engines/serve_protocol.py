@@ -117,12 +117,12 @@ def sglang_spec_meta(version: str, *, verify_ct: int, completion_tokens: int, co
     """The speculative part of meta_info as that SGLang version computes it (for the stand-in)."""
     fields = sglang_meta_fields(version)
     out: dict = {VERIFY_CT: verify_ct}
+    v = version_tuple(version)
     if verify_ct <= 0:
-        v = version_tuple(version)
         if v >= (0, 5, 6):   # every key sits inside `if spec_verify_ct > 0`
             return {}
         return out if v < (0, 5, 4) else {**out, ACCEPT_RATE: 0.0, ACCEPT_LENGTH: 0}
-    old_rate = version_tuple(version) < (0, 5, 6)
+    old_rate = v < (0, 5, 6)
     proposed = verify_ct * (num_steps if old_rate else num_draft_tokens - 1)
     if ACCEPT_RATE in fields:
         out[ACCEPT_RATE] = correct_drafts / proposed

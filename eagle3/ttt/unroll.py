@@ -85,9 +85,9 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
             src = b_idx * T + t_idx + (k + 1)                                  # teacher position, flat
         # lm_head + softmax only on the N valid positions (prompt and padding rows never reach it).
         logits = model.logits(prenorm[b_idx, t_idx])                          # [N, draft_V]
-        # no valid position: a zero that still reaches lm_head and the norm (DDP needs every parameter's
-        # gradient from every rank; the fast path adds the same zero, eagle3/ttt/fused_ce.py)
-        sums.append(soft_cross_entropy_rows(logits, teacher_p[row_of[src]]) if src.numel() else logits.float().sum() * 0.0)
+        # with no valid position (N = 0) this is a zero that still reaches lm_head and the norm: DDP needs every
+        # parameter's gradient from every rank (the fast path adds the same zero, eagle3/ttt/fused_ce.py)
+        sums.append(soft_cross_entropy_rows(logits, teacher_p[row_of[src]]))
         with torch.no_grad():
             top = logits.detach().argmax(dim=-1)
             corrects.append(((top + d2t[top]) == argmax_flat[src]).sum().to(torch.float32))

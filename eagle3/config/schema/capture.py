@@ -11,6 +11,7 @@ from eagle3.config.choices import AUX_DTYPES, CAPTURE_BACKENDS, FLOAT_DTYPES, OV
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import InitConf, PathsConf, TargetConf
 from eagle3.config.schema.capture_vllm import VllmCaptureConf
+from eagle3.formats.spool import SpoolError, Watermarks
 
 
 @dataclass
@@ -28,8 +29,10 @@ class StreamConf:
     poll_s: float = 0.5               # how often a paused producer looks again
 
     def validate(self) -> None:
-        if self.max_gb <= 0 or not 0 < self.low < self.high <= 1:
-            raise ConfigError(f"stream: max_gb={self.max_gb} > 0 and 0 < low={self.low} < high={self.high} <= 1")
+        try:  # the watermarks' own rule (eagle3/formats/spool.py)
+            Watermarks.from_gb(self.max_gb, self.high, self.low)
+        except SpoolError as e:
+            raise ConfigError(str(e)) from None
         if self.chunk_sequences < 1 or self.recapture < 1 or self.poll_s <= 0:
             raise ConfigError("stream: chunk_sequences >= 1, recapture >= 1, poll_s > 0")
 
