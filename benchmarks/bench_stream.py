@@ -1,8 +1,12 @@
 """Online training's disk and waits: the same prepared data captured offline (the store's bytes) and
 streamed through a capped spool while the drafter trains (data/stream_capture.py + data.source=stream),
-in one command on one machine. Reports the offline store's bytes, the spool's cap and measured high-water
-mark (ratios to the store), the producer's and the trainer's waits, both wall times, and whether the
-streamed drafter is bit-identical to the offline one trained in the same windows.
+in one command on one machine. Three runs: the producer alone (an offline capture, its own process), the
+trainer alone (fed by that store, in the stream's windows) and the two together (the streamed run). Reports
+the offline store's bytes, the spool's cap and measured high-water mark (ratios to the store), the
+producer's and the trainer's waits, the three wall times, the end-to-end throughput as a ratio to the slower
+side alone (1.0 = the two sides overlap perfectly), and whether the streamed drafter is bit-identical to the
+offline one trained in the same windows. `--warm-trainer` trains the store once before the timed trainer-alone
+run, so that one-time costs (CUDA context, torch.compile) are paid by neither timed trainer.
 
   python benchmarks/bench_stream.py --capture conf-overrides... --train conf-overrides... --cap-fraction 0.25
   e.g. on the mini world (after `make mini-world prepare vocab`):
@@ -25,32 +29,38 @@ from eagle3 import REPO_ROOT
 
 
 def run(capture_over: list[str], train_over: list[str], cap_fraction: float, window: int, reuse: int,
-        chunk: int, work: Path) -> dict:
+        chunk: int, work: Path, warm_trainer: bool = False) -> dict:
     from safetensors.torch import load_file
 
-    from data.capture import run_capture
     from eagle3.config.conf import compose, to_schema
-    from eagle3.config.schema.capture import CaptureConfig
     from eagle3.config.schema.train import TrainConfig
     from eagle3.formats.spool import Spool
     from train.loop import run_train
 
     offline_dir, stream_dir = work / "capture-offline", work / "capture-stream"
-    cap_cfg = to_schema(compose("capture", [*capture_over, f"out_dir={offline_dir}", "progress=false"]), CaptureConfig)
-    t0 = time.time()
-    run_capture(cap_cfg)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    capture = [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *capture_over, "progress=false"]
+    t0 = time.time()  # the producer alone: the same process a user starts, writing the offline store
+    with open(work / "capture-offline.log", "w") as log:
+        if subprocess.run([*capture, f"out_dir={offline_dir}"], cwd=REPO_ROOT, env=env, stdout=log,
+                          stderr=subprocess.STDOUT).returncode != 0:
+            raise SystemExit(f"offline capture failed; see {work / 'capture-offline.log'}")
     offline_capture_s = time.time() - t0
     store_bytes = sum(p.stat().st_size for p in (offline_dir / "train").rglob("*") if p.is_file())
     cap_gb = store_bytes * cap_fraction / 1e9
     common = [*train_over, f"data.window_sequences={window}", f"data.reuse={reuse}", "progress=false"]
+
+    def train_offline(name: str) -> Path:
+        return run_train(to_schema(compose("train", [*common, f"capture_dir={offline_dir}", f"out_dir={work / name}",
+                                                     "data.order=windows"]), TrainConfig))
+    if warm_trainer:
+        train_offline("train-warmup")
     t0 = time.time()
-    ref = run_train(to_schema(compose("train", [*common, f"capture_dir={offline_dir}", f"out_dir={work / 'train-offline'}",
-                                                "data.order=windows"]), TrainConfig))
+    ref = train_offline("train-offline")
     offline_train_s = time.time() - t0
 
-    producer = [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *capture_over, f"out_dir={stream_dir}",
-                "progress=false", "stream.enabled=true", f"stream.max_gb={cap_gb}", f"stream.chunk_sequences={chunk}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    producer = [*capture, f"out_dir={stream_dir}", "stream.enabled=true", f"stream.max_gb={cap_gb}",
+                f"stream.chunk_sequences={chunk}"]
     t0 = time.time()
     with open(work / "producer.log", "w") as log:
         proc = subprocess.Popen(producer, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -67,6 +77,7 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
     end = Spool(stream_dir / "spool").end()
     a, b = load_file(str(ref / "final" / "model.safetensors")), load_file(str(got / "final" / "model.safetensors"))
     manifest = json.loads((got / "manifest.json").read_text())
+    slower_alone_s = max(offline_capture_s, offline_train_s)
     return {"offline_store_bytes": store_bytes, "cap_bytes": end["cap_bytes"], "peak_bytes": end["peak_bytes"],
             "peak_over_store": round(end["peak_bytes"] / store_bytes, 4),
             "peak_over_cap": round(end["peak_bytes"] / end["cap_bytes"], 4),
@@ -74,6 +85,10 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
             "trainer_wait_s": manifest["stream"]["trainer_wait_s"], "offline_capture_s": round(offline_capture_s, 2),
             "offline_train_s": round(offline_train_s, 2), "stream_wall_s": round(stream_s, 2),
             "stream_over_offline_wall": round(stream_s / (offline_capture_s + offline_train_s), 3),
+            "slower_side": "producer" if offline_capture_s >= offline_train_s else "trainer",
+            # end-to-end tokens/s over the slower side's tokens/s alone (the same tokens: the ratio of wall times)
+            "throughput_over_slower_side": round(slower_alone_s / stream_s, 3),
+            "end_to_end_tokens_trained_per_s": round(manifest["stream"]["tokens_trained"] / stream_s, 1),
             "bit_identical": a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a),
             "steps": manifest["steps"], "tokens_captured": end["tokens_captured"],
             "tokens_trained": manifest["stream"]["tokens_trained"]}
@@ -88,9 +103,13 @@ def main(argv=None) -> dict:
     p.add_argument("--reuse", type=int, default=1, help="data.reuse")
     p.add_argument("--chunk", type=int, default=8, help="stream.chunk_sequences")
     p.add_argument("--work", type=Path, required=True, help="a scratch directory")
+    p.add_argument("--warm-trainer", action="store_true", help="train once untimed first (CUDA init, compile)")
+    p.add_argument("--json", type=Path, help="also write the result here")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
-    out = run(a.capture, a.train, a.cap_fraction, a.window, a.reuse, a.chunk, a.work)
+    out = run(a.capture, a.train, a.cap_fraction, a.window, a.reuse, a.chunk, a.work, a.warm_trainer)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return out
 

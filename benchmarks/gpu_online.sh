@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 43 on the lent GPU, in three calls on one warm machine (finished stages are reused between calls):
+#   PHASE=world  the GPU-size mini world and its K2.5 prepare / capture / vocab (pipeline/demo.build_experiment)
+#   PHASE=ab     the learning A/B: offline K epochs against windows of W sequences each trained K times (what a
+#                stream trains), K chosen so that both arms see about the world's usual 500 steps
+#   PHASE=bench  benchmarks/bench_stream.py at that world's size: producer alone, trainer alone, both together
+# Needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-runs/gpu-out}; mkdir -p "$OUT" runs
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+[ -f runs/sharegpt.json ] || xz -dc .data_carry/sharegpt.json.xz > runs/sharegpt.json
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/gpu.txt"
+ROOT=$PWD/runs/gpu
+WORLD=(demo_size=gpu "paths.root=$ROOT" "+mini_world.source=$PWD/runs/sharegpt.json" wandb.mode=disabled)
+LIMIT=${LIMIT:-540}; W=${W:-128}; BUDGET=${BUDGET:-500}
+
+# K (epochs = passes per window) and the step budget both arms finish within, from the world's own store
+plan() {
+  python3 - "$ROOT" "$W" "$BUDGET" <<'EOF'
+import json, sys
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.train import TrainConfig
+from train.inputs import open_inputs
+from train.spool_source import make_stream
+from train.trainer import stream_items, total_steps
+root, W, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+base = [f"paths.root={root}", "target=k25_mini", "+init=scratch", "max_steps=1000000", "optim.lr=5e-4"]
+def steps(extra):
+    cfg = to_schema(compose("train", base + extra), TrainConfig)
+    inputs = open_inputs(cfg)
+    return total_steps(cfg, make_stream(cfg, stream_items(cfg, inputs), 0, 1))[0]
+per_epoch = steps(["epochs=1"])
+k = max(1, budget // per_epoch)
+windows = steps(["data.order=windows", f"data.window_sequences={W}", f"data.reuse={k}"])
+t = max(k * per_epoch, windows)
+print(json.dumps({"per_epoch": per_epoch, "k": k, "epochs_steps": k * per_epoch, "windows_steps": windows,
+                  "train_steps": t + (-t) % 4}))
+EOF
+}
+
+case "${PHASE:-world}" in
+world)
+  timeout "$LIMIT" python3 - "${WORLD[@]}" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
+import sys
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.learning_ab import LearningABConfig
+from pipeline.demo import build_experiment, stage_log
+cfg = to_schema(compose("learning_ab", sys.argv[1:]), LearningABConfig)
+build_experiment(cfg, stage_log(cfg, "learning-ab"), cfg.world_seed)
+EOF
+  plan | tee "$OUT/plan.json" ;;
+ab)
+  plan > "$OUT/plan.json" || exit 1; cat "$OUT/plan.json"
+  K=$(python3 -c "import json;print(json.load(open('$OUT/plan.json'))['k'])")
+  T=$(python3 -c "import json;print(json.load(open('$OUT/plan.json'))['train_steps'])")
+  timeout "$LIMIT" python3 pipeline/run_learning_ab.py "${WORLD[@]}" 'seeds=[0,1,2]' curve.max_sequences=32 \
+      "train_steps=$T" "out_dir=$ROOT/learning_ab_online" "stage_dir=$ROOT/stages/k25_mini/learning_ab_online" \
+      "arms=[{name:epochs,train:[epochs=$K]},{name:windows,train:[data.order=windows,data.window_sequences=$W,data.reuse=$K]}]" \
+      2>&1 | tee -a "$OUT/ab.log"
+  tar czf "$OUT/ab_report.tgz" -C "$ROOT" learning_ab_online 2>/dev/null ;;
+bench)
+  K=$(plan | python3 -c "import json,sys;print(json.load(sys.stdin)['k'])")
+  timeout "$LIMIT" python3 benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
+      --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$K" --chunk "${CHUNK:-32}" --warm-trainer \
+      --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 target.device_map=cuda \
+      --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
+          optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
+      2>&1 | tee -a "$OUT/bench.log"
+  cp /tmp/bench_stream/*.log "$OUT/" 2>/dev/null ;;
+esac
