@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 INIT ?= aqmedai_k2
 
-.PHONY: setup test faults mini-world prepare capture-hidden vocab train eval export demo study learning-ab bench-vocab clean check bench-serve
+.PHONY: setup test faults mini-world prepare capture-hidden vocab train train-online eval export demo study learning-ab bench-vocab clean check bench-serve
 
 setup: .venv/.installed
 .venv/.installed: pyproject.toml ; python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]' && touch $@
@@ -14,6 +14,8 @@ prepare: setup ; $(PY) data/run_prepare.py $(ARGS)
 capture-hidden: setup ; $(PY) data/run_capture.py $(ARGS)
 vocab: setup ; $(PY) data/run_vocab.py $(ARGS)
 train: setup ; $(PY) train/run.py +init=$(INIT) $(ARGS)
+# online: this run starts the streaming producer itself (train/local_producer.py; docs/online_training.md)
+train-online: setup ; $(PY) train/run.py +init=$(INIT) data.source=stream data.producer=local $(ARGS)
 eval: setup ; $(PY) eval/run.py $(ARGS)
 export: setup ; $(PY) export/run.py $(ARGS)
 check: setup ; $(PY) export/run_check.py $(ARGS)

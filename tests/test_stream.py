@@ -390,3 +390,31 @@ def test_recapture_passes_the_target_over_the_prompts_again_and_reports_it(tmp_p
     m = json.loads((got / "manifest.json").read_text())["stream"]
     assert m["target_passes"] == 2 and m["tokens_captured"] == 2 * sum(c["tokens"] for c in chunks[:half])
     assert m["reuse_per_sequence"] == 1 and m["stream_complete"]
+
+
+def local_producer_args(targets, prepared, **extra):  # noqa: F811
+    args = [f"in_dir={prepared}", f"target.tokenizer={targets['k25']}", "dtype=float32", "max_tokens_per_batch=1",
+            "shard_tokens=200", "progress=false", f"stream.chunk_sequences={CHUNK}", "stream.poll_s=0.05",
+            "stream.max_gb=1.0", *[f"{k}={v}" for k, v in extra.items()]]
+    return json.dumps(args)
+
+
+def test_train_online_starts_its_own_producer_and_trains_the_same_bits(tmp_path, world, targets, prepared,  # noqa: F811
+                                                                      reference):
+    """data.producer=local (`make train-online`): the train stage starts data/run_capture.py stream.enabled=true
+    itself, with its own target / paths and data.producer_args, and reads what it writes."""
+    cap = tmp_path / "capture"
+    got = run_train(train_config(world, tmp_path, cap, "got", **{
+        "data.source": "stream", "data.producer": "local",
+        "data.producer_args": local_producer_args(targets, prepared)}))
+    a, b = final_weights(reference), final_weights(got)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert Spool(cap / "spool").end() is not None and (cap / "validation").is_dir()
+    assert "[stream] done" in (got / "producer.log").read_text()
+
+
+def test_a_local_producer_that_fails_stops_the_trainer_naming_it(tmp_path, world, targets, prepared):  # noqa: F811
+    with pytest.raises(TrainInputError, match="exited with code"):
+        run_train(train_config(world, tmp_path, tmp_path / "capture", "got", **{
+            "data.source": "stream", "data.producer": "local",
+            "data.producer_args": local_producer_args(targets, prepared, in_dir=tmp_path / "no-such-prepare")}))

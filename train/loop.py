@@ -17,6 +17,7 @@ from pathlib import Path
 from eagle3.formats.manifest import read_manifest, stale_keys
 from train.engine import make_accelerator, prefer_expandable_segments, uses_fsdp
 from train.inputs import open_inputs
+from train.local_producer import local_producer
 from train.trainer import FINAL, Trainer, init_fingerprint
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,15 @@ def run_train(config) -> Path:
     if config.fsdp and not uses_fsdp(accelerator) and main:
         print(f"[train] fsdp=true but accelerate runs {accelerator.distributed_type} here (FSDP needs several "
               f"GPUs): training without sharding")
-    inputs = open_inputs(config)
-    for w in inputs.warnings:
-        log.warning(w)
-    if _finished_run_matches(out, config, inputs.fingerprints):
-        if main:
-            print(f"[train] {out} already holds a finished run with this config and inputs: reused")
-        return out
-    return Trainer(config, accelerator, inputs).run()
+    with local_producer(config, main):  # data.producer=local: the streaming producer, for the run's span
+        inputs = open_inputs(config)
+        for w in inputs.warnings:
+            log.warning(w)
+        if _finished_run_matches(out, config, inputs.fingerprints):
+            if main:
+                print(f"[train] {out} already holds a finished run with this config and inputs: reused")
+            return out
+        return Trainer(config, accelerator, inputs).run()
 
 
 def _finished_run_matches(out: Path, config, fingerprints: dict) -> bool:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from eagle3.config.choices import (ATTENTION_KERNELS, COMPILE_CHOICES, IMAGE_EMBEDDINGS, NONFINITE_POLICIES, PRECISIONS,
                                    STORE_VERIFY, UNROLLS)
@@ -30,6 +30,11 @@ class TrainDataConf:
     spool_dir: str = "spool"              # the spool inside capture_dir (or an absolute path) for source=stream
     stream_timeout_s: float = 600.0       # a producer silent this long (no heartbeat, no chunk) is an error
     stream_status_s: float = 30.0         # a status line this often while waiting for the producer
+    # source=stream: external = a producer you start (make capture-hidden ARGS="stream.enabled=true ...") |
+    # local = this run starts it (data/run_capture.py, as its own process; `make train-online`), with the
+    # target, init and paths of this config and `producer_args` (more capture overrides: stream.max_gb=...)
+    producer: str = "external"
+    producer_args: List[str] = field(default_factory=list)
 
     def resolved_order(self) -> str:
         """The one place data.order=auto is decided."""
@@ -48,6 +53,9 @@ class TrainDataConf:
         check_choice("data.order", self.order, ("auto", "epochs", "windows"))
         if self.source == "stream" and self.resolved_order() != "windows":
             raise ConfigError("data.source=stream trains window by window: data.order must be windows (or auto)")
+        check_choice("data.producer", self.producer, ("external", "local"))
+        if self.producer == "local" and self.source != "stream":
+            raise ConfigError("data.producer=local starts a streaming producer: it needs data.source=stream")
         if self.window_sequences < 1 or self.reuse < 1 or self.stream_timeout_s <= 0:
             raise ConfigError("data.window_sequences >= 1, data.reuse >= 1, data.stream_timeout_s > 0")
 
