@@ -29,7 +29,7 @@ from eagle3.drafter.drafter_io import load_drafter_dir, save_drafter_dir
 from eagle3.drafter.initial import build_training_drafter
 from eagle3.ttt.loss import loss_positions, shift_left
 from eagle3.formats.store import HiddenStateStore
-from eagle3.ttt.attention import TTTCache
+from eagle3.drafter.attention import TTTCache
 from eagle3.ttt.unroll import ttt_unroll
 from eagle3.drafter.vocab_map import ids_from_d2t, masked_token_counts, top_n_vocab
 

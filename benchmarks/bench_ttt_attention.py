@@ -1,4 +1,4 @@
-"""Time and peak memory of the TTT attention implementations (eagle3.ttt.attention.TTTCache impl=explicit vs
+"""Time and peak memory of the TTT attention implementations (eagle3.drafter.attention.TTTCache impl=explicit vs
 sdpa_mask), forward + backward over a full unroll, and optionally of the whole drafter unroll.
 
     python benchmarks/bench_ttt_attention.py                       # Kimi-K2.5 drafter attention shape, CUDA
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from eagle3.ttt.attention import TTTCache, ttt_position_ids
+from eagle3.drafter.attention import TTTCache, ttt_position_ids
 
 
 def sync(device):

@@ -1,5 +1,5 @@
 """Files of an exported drafter directory, any format: write (config.json + model.safetensors) and
-validate from disk against `eagle3.formats.export_spec`, through the format's own members (export/formats.py);
+validate from disk against `export/spec.py`, through the format's own members (export/formats.py);
 each format's module loads its directory back (export/format_sglang.py, export/format_speculators.py).
 
 `FormatDirectory` is what every format shares, the one place for "write, validate, round trip": each
@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.formats import export_spec as spec
+from export import spec
 from eagle3.config.dtypes import torch_dtype
 from eagle3.formats.manifest import atomic_write_json
 from export.roundtrip import RoundTripReference

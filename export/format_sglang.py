@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from eagle3.formats import export_spec as spec
+from export import spec
 from export.directory import FormatDirectory
 from eagle3.engines.serve_launch import sglang_command
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.drafter import drafter_keys
-from eagle3.formats import export_spec as spec
+from export import spec
 from export.directory import FormatDirectory
 from eagle3.engines.serve_launch import vllm_command
 

@@ -30,7 +30,7 @@ class Sources:
     """Everything the export reads, resolved once: the checkpoint's config (parsed once, a DrafterConfig),
     the target's facts, the capture's store and hidden-state indices, and the config the export writes."""
     drafter: DrafterConfig        # the checkpoint's config.json, parsed
-    drafter_json: dict            # the same file as written (its other served keys are carried: export_spec)
+    drafter_json: dict            # the same file as written (its other served keys are carried: export/spec.py)
     target_text_cfg: dict
     target_architectures: list[str]
     hf_indices: list[int]         # h the drafter was trained on (HF output_hidden_states; eagle3/engines/aux_layers.py)

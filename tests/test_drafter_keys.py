@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eagle3.drafter import drafter_keys as dk
-from eagle3.formats import export_spec as spec
+from export import spec
 from eagle3.drafter.drafter_io import DrafterLoadError, load_drafter_dir
 from eagle3.drafter.model import DrafterConfig
 from tests.fixtures.specforge_drafter import DV, SF_CONFIG, H, T, V, tiny_weights

@@ -8,7 +8,7 @@ from eagle3.drafter.model import Eagle3Drafter
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct
 from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
-from eagle3.ttt.attention import KVCache
+from eagle3.drafter.attention import KVCache
 from eagle3.ttt.unroll import ttt_unroll
 from tests.fixtures.unroll_batch import HT, H, V
 from tests.fixtures.unroll_batch import tiny_drafter as unroll_drafter

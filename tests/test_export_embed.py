@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3.formats import export_spec as spec
+from export import spec
 from export.directory import export_tensors, validate_format_dir, write_format_dir
 from export.formats import FORMATS
 from export.format_speculators import load_speculators_dir

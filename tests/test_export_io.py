@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.formats import export_spec as spec
+from export import spec
 from eagle3.config.dtypes import torch_dtype
 from export.directory import export_tensors, validate_format_dir, write_format_dir
 from export.formats import FORMATS

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eagle3.formats import export_spec as spec
+from export import spec
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 

@@ -23,7 +23,7 @@ from eagle3.ttt.fast_unroll import ttt_unroll_fast
 from eagle3.ttt.fused_ce import linear_soft_cross_entropy
 from eagle3.ttt.loss import soft_cross_entropy_rows, teacher_logits
 from eagle3.drafter.model import RMSNorm
-from eagle3.ttt.attention import TTTCache
+from eagle3.drafter.attention import TTTCache
 from eagle3.config.schema.train import ATTENTION_KERNELS as SCHEMA_ATTENTION_KERNELS
 from eagle3.ttt.ttt_flash import (ATTENTION_KERNELS, DiagonalKeys, causal_attention, causal_plus_diagonal_attention,
                                   choose_attention_kernel)
@@ -70,7 +70,7 @@ def fast_ttt_attention(qkvs, scale):
 
 
 def explicit_ttt_attention(qkvs):
-    """The same steps through eagle3.ttt.attention.TTTCache(impl="explicit"), which takes [B,h,T,d]."""
+    """The same steps through eagle3.drafter.attention.TTTCache(impl="explicit"), which takes [B,h,T,d]."""
     cache = TTTCache(impl="explicit")
     return [cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
             for q, k, v in qkvs]

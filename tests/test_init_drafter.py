@@ -10,7 +10,7 @@ from eagle3.target_model import target_io
 from eagle3.drafter.drafter_io import CompatibilityError, save_drafter_dir
 from eagle3.drafter.initial import build_training_drafter, scratch_config
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3.ttt.attention import TTTCache
+from eagle3.drafter.attention import TTTCache
 from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 
 TEXT = dict(vocab_size=80, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=6,

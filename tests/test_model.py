@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from eagle3.formats import export_spec
+from export import spec as export_spec
 from eagle3.drafter.model import DEFAULT_ROPE_THETA, DrafterConfig, Eagle3Drafter, rope_inv_freq, rope_settings
 from eagle3.drafter.vocab_map import mapping_problems
-from eagle3.ttt.attention import KVCache, TTTCache, ttt_position_ids
+from eagle3.drafter.attention import KVCache, TTTCache, ttt_position_ids
 
 
 def tiny_cfg(**kw):

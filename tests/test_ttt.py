@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from eagle3.ttt.attention import KVCache, TTTCache, repeat_kv, ttt_attention_mask, ttt_position_ids
+from eagle3.drafter.attention import KVCache, TTTCache, repeat_kv, ttt_attention_mask, ttt_position_ids
 
 
 def test_mask_small_case_by_hand():

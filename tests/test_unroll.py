@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt.attention import ttt_position_ids
+from eagle3.drafter.attention import ttt_position_ids
 from eagle3.ttt.unroll import TTTObjective, step_position_counts, ttt_unroll
 from eagle3.drafter.vocab_map import ids_from_d2t
 from tests.fixtures.unroll_batch import DV, H, V, tiny_batch, tiny_drafter

@@ -15,7 +15,7 @@ frozen `embed_tokens.weight`) is the exported checkpoint. `d2t` (int64 [draft_V]
 (target_id = draft_id + d2t[draft_id]); `t2d` (bool [V]) marks target ids in the draft vocab.
 
 Positions: the caller passes them. In the TTT unroll, step k at position t uses t + k
-(`eagle3.ttt.attention.ttt_position_ids`), as SpecForge's llama3_eagle does (`position_ids + len(cache)`).
+(`eagle3.drafter.attention.ttt_position_ids`), as SpecForge's llama3_eagle does (`position_ids + len(cache)`).
 This is what SGLang does at inference: its draft extend runs the pair (h_t, x_{t+1}) at position t,
 and the k-th draft token of a chain rooted at t sits at t + k (tests/test_model.py checks the TTT
 unroll against a KVCache chain step by step).
@@ -37,7 +37,7 @@ from eagle3.engines import aux_layers
 from eagle3.drafter import drafter_keys
 from eagle3.drafter import drafter_values
 from eagle3.drafter import vocab_map
-from eagle3.ttt.attention import KVCache, TTTCache
+from eagle3.drafter.attention import KVCache, TTTCache
 
 ARCHITECTURE = drafter_values.LLAMA_CLASS
 ROPE_TYPES = drafter_values.ROPE_TYPES  # the rope variants rope_inv_freq implements
@@ -186,7 +186,7 @@ def rope_settings(d: Mapping[str, Any], default_theta: Optional[float] = DEFAULT
     A config stating no theta in either form (or null) reads as `default_theta`: 10000, as SGLang's llama
     layer and transformers' LlamaConfig read it (training on such a drafter therefore used 10000, and so does
     its export). default_theta=None returns None instead, for the export check that an exported config states
-    its rope explicitly (export_spec). A default rope_parameters type means no scaling."""
+    its rope explicitly (export/spec.py). A default rope_parameters type means no scaling."""
     params = d.get("rope_parameters") or {}
     theta = d.get("rope_theta")
     if theta is None:

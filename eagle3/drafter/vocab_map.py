@@ -81,7 +81,7 @@ def mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor | None = None, draft_v
     inside [0, V) (V = t2d's length, else `vocab_size`) and distinct; t2d, when given, true exactly at
     them. Values only: a uint8 t2d or an int32 d2t holding the same ids passes. What a use adds on top
     is its own small check: `validate_mapping` (integer / bool storage, id order) and the export's
-    dtypes (eagle3/formats/export_spec.py) call `order_problems` for the order."""
+    dtypes (export/spec.py) call `order_problems` for the order."""
     out = []
     if d2t.dim() != 1:
         out.append(f"d2t must be 1-D [draft_vocab_size], got shape {list(d2t.shape)}")

@@ -30,7 +30,7 @@ import torch
 
 from eagle3.drafter.image_embeddings import check_convention, token_embeddings
 from eagle3.target_model.target_io import AuxHiddenCapture, lm_head, text_model
-from eagle3.ttt.attention import KVCache
+from eagle3.drafter.attention import KVCache
 
 
 @dataclass

@@ -23,7 +23,7 @@ from eagle3.real_loop.chain import (PromptImages, SpecResult, TargetRunner, elap
                                     sync_device)
 from eagle3.replay.drafter_session import BeamCache
 from eagle3.target_model.target_io import AuxHiddenCapture
-from eagle3.ttt.attention import KVCache
+from eagle3.drafter.attention import KVCache
 
 
 class LiveTreeDrafter:

@@ -8,7 +8,7 @@ SGLang's draft at a cycle whose last verified token sits at position q:
     at position q+j-2, attending over the prefix plus its own path (a tree: each kept path its own).
 Because the extend is causal, the prefix pass over the WHOLE sequence once gives, for every q, the
 same keys/values and outputs as an extend over the prefix 0..q-1 alone; each cycle then only runs
-its draft steps. `BeamCache` is a duck-typed `eagle3.ttt.attention.KVCache` (`attend`) holding a shared prefix
+its draft steps. `BeamCache` is a duck-typed `eagle3.drafter.attention.KVCache` (`attend`) holding a shared prefix
 and one path per tree row.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt.attention import KVCache, repeat_kv
+from eagle3.drafter.attention import KVCache, repeat_kv
 
 
 class BeamCache:

@@ -27,7 +27,7 @@ from eagle3.ttt.loss import loss_positions, shift_left
 from eagle3.replay.ngram import PromptLookup
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.tree_batch import all_cycle_trees
-from eagle3.ttt.attention import TTTCache, ttt_position_ids
+from eagle3.drafter.attention import TTTCache, ttt_position_ids
 
 DEFAULT_KNOBS = (SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4))
 MISMATCH_WARN = 0.02  # share of assistant positions where the store is not the target's greedy choice
@@ -214,7 +214,7 @@ def simulate_accept_length(model, store, knobs: Sequence[SpecKnobs] = DEFAULT_KN
     chain, draft j+1 only matters when drafts 1..j were accepted, i.e. equal the target's greedy tokens, which inside
     a replay segment ARE the stored tokens the unroll feeds; its hidden inputs are the drafter's own
     outputs, its position q+j-1 is the unroll's t+k, and it attends to the prefix keys plus its own
-    chain's keys, which is the TTT attention pattern (eagle3/ttt/attention.py). method="sequential" drafts
+    chain's keys, which is the TTT attention pattern (eagle3/drafter/attention.py). method="sequential" drafts
     every visited cycle step by step (eagle3/replay/drafter_session.py; the reference the tests compare
     against). image_embeddings: what the drafter embeds at image rows (eagle3/drafter/image_embeddings.py)."""
     if method not in ("auto", "sequential"):

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from eagle3.replay.accept_sim import DraftTree, SpecKnobs
-from eagle3.ttt.attention import KVCache
+from eagle3.drafter.attention import KVCache
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from eagle3.ttt.fused_ce import scaled_linear_soft_cross_entropy
 from eagle3.ttt.loss import all_loss_positions, step_weights
 from eagle3.ttt.fast_kernels import kernel
 from eagle3.drafter.model import check_aux_width, rope_cos_sin, rope_inv_freq
-from eagle3.ttt.attention import TTTCache
+from eagle3.drafter.attention import TTTCache
 from eagle3.ttt.attention_check import checked_attention_kernel
 from eagle3.ttt.ttt_flash import (DiagonalKeys, causal_attention, causal_plus_diagonal_attention, flash_supported,
                                   kernel_inputs)

@@ -1,6 +1,6 @@
 """TTT attention without a T x T score matrix: a fused causal kernel plus a log-sum-exp merge.
 
-At TTT step k (eagle3/ttt/attention.py) query t attends to the step-0 keys 0..t (causal) and to its own
+At TTT step k (eagle3/drafter/attention.py) query t attends to the step-0 keys 0..t (causal) and to its own
 position's keys of steps 1..k (one key per step). The softmax over those T + k columns splits into
   * block 0: causal attention over the step-0 keys, done by a flash kernel that returns its
     output o0 [B,h,T,d] and log-sum-exp lse0 [B,h,T] (natural log, fp32), and

@@ -2,10 +2,10 @@
 
 Indexing (ARCHITECTURE.md, "TTT indexing"): at step k and position t the drafter reads the hidden
 h_t (fc(aux_t) at k=0, its own pre-norm output of step k-1 at t otherwise) and the embedding of
-x_{t+k+1}, at sequence position t+k (`eagle3.ttt.attention.ttt_position_ids`); it predicts x_{t+k+2} against
+x_{t+k+1}, at sequence position t+k (`eagle3.drafter.attention.ttt_position_ids`); it predicts x_{t+k+2} against
 the teacher softmax(lm_head_target(last_{t+k+1})[draft vocab]) on positions
 `loss_mask[t+k+2] & t2d[argmax_{t+k+1}]`. The attention pattern (step-0 keys causal + own-position
-keys of steps 1..k) lives in `eagle3.ttt.attention.TTTCache`. Gradients flow through the hidden states
+keys of steps 1..k) lives in `eagle3.drafter.attention.TTTCache`. Gradients flow through the hidden states
 from step to step, as in EAGLE-3 / SpecForge.
 
 Loss normalisation (see eagle3/ttt/loss.py's docstring): L = sum_k 0.8^k * S_k / N_k with S_k the
@@ -26,7 +26,7 @@ from torch import nn
 from eagle3.config.choices import UNROLLS
 from eagle3.ttt.fast_unroll import ttt_unroll_fast
 from eagle3.ttt.loss import loss_positions, shift_left, soft_cross_entropy_rows, step_weights
-from eagle3.ttt.attention import TTTCache, ttt_position_ids
+from eagle3.drafter.attention import TTTCache, ttt_position_ids
 from eagle3.drafter.image_embeddings import token_embeddings
 from eagle3.ttt.unroll_common import UnrollOutput, check_unroll_inputs, embedding_strip, teacher_probs
 
