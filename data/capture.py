@@ -16,7 +16,6 @@ Batching is global and deterministic (data/capture_plan.py); process r of N take
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from data.capture_backends import backend_for
 from data.capture_plan import CaptureError, plan_split
+from eagle3 import fingerprints as fp
 from eagle3.engines import aux_layers
 from eagle3.target_model import target_io
 from eagle3.engines.aux_layers import AuxChoice, AuxLayerError
@@ -45,28 +45,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def target_fingerprint(path: str | Path, full_hash_limit: int = 1 << 30) -> str:
-    """sha256 over config.json, the index, and every weight file's safetensors header (names,
-    shapes, dtypes); weight *contents* too when all weights are under `full_hash_limit` bytes
-    (the mini targets; hashing 600 GB of Kimi-K2.5 is not worth it, its header set is unique)."""
-    path = Path(path)
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json"):
-        if (path / name).is_file():
-            h.update(name.encode() + b"\0" + (path / name).read_bytes())
-    files = sorted(path.glob("*.safetensors"))
-    full = sum(f.stat().st_size for f in files) <= full_hash_limit
-    for f in files:
-        with open(f, "rb") as fh:
-            if full:
-                while block := fh.read(1 << 22):
-                    h.update(block)
-            else:
-                n = int.from_bytes(fh.read(8), "little")
-                h.update(f.name.encode() + fh.read(n))
-    return h.hexdigest()
 
 
 def check_dataset(ds, split: str, vocab_size: int) -> None:
@@ -155,17 +133,18 @@ def default_dist() -> Dist:
 
 def check_tokenizer(cfg, prep_manifest: dict) -> str:
     """The target tokenizer's fingerprint, which must be the one the dataset was prepared with."""
-    from data.prepare import load_tokenizer, tokenizer_fingerprint
-
-    fp = tokenizer_fingerprint(load_tokenizer(cfg.target))
+    try:
+        tokenizer = fp.tokenizer(target_io.load_tokenizer(cfg.target))
+    except target_io.TargetError as e:
+        raise CaptureError(str(e)) from e
     prepared = (prep_manifest.get("fingerprints") or {}).get("tokenizer")
     if prepared is None:
         raise CaptureError(f"{cfg.in_dir}/manifest.json records no tokenizer fingerprint; rerun the prepare stage")
-    if prepared != fp:
+    if prepared != tokenizer:
         raise CaptureError(f"{cfg.in_dir} was prepared with another tokenizer than target.tokenizer="
-                           f"{cfg.target.tokenizer} (fingerprint {prepared[:12]} != {fp[:12]}); "
+                           f"{cfg.target.tokenizer} (fingerprint {prepared[:12]} != {tokenizer[:12]}); "
                            f"rerun prepare for this target")
-    return fp
+    return tokenizer
 
 
 def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
@@ -220,15 +199,18 @@ class CaptureSetup:
                 "image_rows": backend.image_rows}
 
 
-def capture_setup(cfg) -> CaptureSetup:
-    """Step 1 of the module docstring: manifests, target config, aux layers, tokenizer fingerprint."""
-    from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
+def capture_stage(cfg):
+    """The capture's stage directory (eagle3/stage_dir.py): reads the inputs, decides reuse, publishes."""
+    from eagle3.stage_dir import StageDir
 
+    return StageDir(Path(cfg.out_dir), "capture", CaptureError)
+
+
+def capture_setup(cfg, stage=None) -> CaptureSetup:
+    """Step 1 of the module docstring: manifests, target config, aux layers, tokenizer fingerprint
+    (`stage`: the capture's StageDir, which reads the input manifest)."""
     in_dir = Path(cfg.in_dir)
-    try:
-        prep_manifest = read_manifest(in_dir, "prepare")
-    except ManifestError as e:
-        raise CaptureError(str(e)) from e
+    prep_manifest = (stage or capture_stage(cfg)).input(in_dir, "prepare")
     try:
         text_cfg = target_io.read_text_config(cfg.target.path, cfg.target.layout)
         aux = choose_aux_layers(cfg, text_cfg["num_hidden_layers"])
@@ -238,8 +220,8 @@ def capture_setup(cfg) -> CaptureSetup:
     print(f"[capture] aux hidden states h = {aux.hf_indices} (HF output_hidden_states; from {aux.source}"
           + (f", ids {aux.listed_ids} read by rule {aux.rule!r}" if aux.rule else "") + ")")
     max_len = cfg.max_seq_len or int(text_cfg["max_position_embeddings"])
-    fingerprints = {"target": target_fingerprint(cfg.target.path), "tokenizer": check_tokenizer(cfg, prep_manifest),
-                    "prepare": fingerprint(in_dir)}
+    fingerprints = {"target": fp.target_checkpoint(cfg.target.path),
+                    "tokenizer": check_tokenizer(cfg, prep_manifest), "prepare": fp.stage_dir(in_dir)}
     return CaptureSetup(prep_manifest, text_cfg, aux, image_token_id, max_len, fingerprints)
 
 
@@ -257,66 +239,65 @@ def open_split(cfg, split: str, vocab_size: int):
 
 def run_capture(cfg, dist: Dist | None = None) -> Path:
     """The capture stage (`cfg`: eagle3.config.schema.capture.CaptureConfig). Returns the stage dir."""
-    from eagle3.formats.manifest import stale_keys, write_manifest
-
-    out, in_dir = Path(cfg.out_dir), Path(cfg.in_dir)
-    setup = capture_setup(cfg)
-    text_cfg, aux, hf_indices, image_token_id = setup.text_cfg, setup.aux, setup.hf_indices, setup.image_token_id
-    L, H, V = setup.num_layers, setup.hidden_size, setup.vocab_size
-    max_len, fingerprints = setup.max_len, setup.fingerprints
+    out, stage = Path(cfg.out_dir), capture_stage(cfg)
+    setup = capture_setup(cfg, stage)
     dist = dist or default_dist()
-    if (not stale_keys(out, "capture", {"config": cfg, "fingerprints": fingerprints, "world_size": dist.world})
-            and all((out / split / "manifest.json").is_file() for split in cfg.splits)):
+    if stage.reused({"config": cfg, "fingerprints": setup.fingerprints, "world_size": dist.world},
+                    needs=[f"{split}/manifest.json" for split in cfg.splits]):
         print(f"[capture] {out} is up to date with this config, target and dataset; reusing it")
         return out
     backend = backend_for(cfg.backend)  # data/capture_backends.py; checked before any work
-    backend.check(cfg, hf_indices, L, max_len, dist, image_token_id)
-
-    splits = {split: open_split(cfg, split, V) for split in cfg.splits}
+    backend.check(cfg, setup.hf_indices, setup.num_layers, setup.max_len, dist, setup.image_token_id)
+    splits = {split: open_split(cfg, split, setup.vocab_size) for split in cfg.splits}
 
     dist.barrier()  # every process has read the old stage manifest; it no longer describes what is on disk
     if dist.is_main:
-        (out / "manifest.json").unlink(missing_ok=True)
-    backend.open(cfg, text_cfg, max_len, dist)
-    header = setup.header(backend)
-    results = {}
-    for split, ds in splits.items():
-        seqs, plan_counts = plan_split(ds, cfg.limit, max_len, cfg.on_overlong)
-        split_dir = out / split
-        store_dir = split_dir if dist.world == 1 else split_dir / f"part-{dist.rank}"
-        check_split_dir(split_dir, cfg, dist)
-        writer = open_writer(store_dir, cfg, header, store_meta(cfg, fingerprints, max_len, dist, split))
-        if dist.is_main:
-            for sid in plan_counts["skipped_overlong"]:
-                if sid not in writer.done_ids:
-                    writer.skip(sid, "overlong")
-        run = backend.capture_split(ds, seqs, writer, cfg, hf_indices, dist, f"capture {split}", image_token_id)
-        manifest = writer.finish()
-        dist.barrier()
-        if dist.world > 1 and dist.is_main:
-            manifest = merge_stores(split_dir, [split_dir / f"part-{r}" for r in range(dist.world)])
-        results[split] = {**summarize(manifest, plan_counts), "this_run": run}
-        if dist.is_main:
-            print(f"[capture] {split}: {results[split]['sequences']:,} sequences, {results[split]['tokens']:,} tokens "
-                  f"in {results[split]['shards']} shards; truncated {plan_counts['truncated']}, skipped "
-                  f"{results[split]['skipped'] or 0}; this run {run['tokens_run']:,} tokens in {run['seconds']:.1f}s")
+        stage.begin()
+    backend.open(cfg, setup.text_cfg, setup.max_len, dist)
+    results = {split: capture_one_split(cfg, setup, backend, dist, split, ds) for split, ds in splits.items()}
     backend.close()
     if dist.is_main:
-        state_bytes = torch.finfo(torch_dtype(cfg.dtype)).bits // 8
-        n_aux = len(hf_indices)
-        aux_bytes = n_aux * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else n_aux * H * state_bytes
-        bytes_per_token = aux_bytes + H * state_bytes + 9
-        write_manifest(out, "capture", cfg, inputs={"prepare": in_dir}, fingerprints=fingerprints,
-                       hf_indices=hf_indices, aux_layers=aux.provenance(), image_token_id=image_token_id,
-                       image_rows=backend.image_rows if image_token_id is not None else None,
-                       target={"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": L,
-                               "hidden_size": H, "vocab_size": V, "config_sha256": _config_sha(cfg.target.path)},
-                       world_size=dist.world, store_dtype=cfg.dtype, store_aux_dtype=cfg.aux_dtype or cfg.dtype,
-                       max_seq_len=max_len,
-                       bytes_per_token=bytes_per_token, splits=results)
+        stage.publish(cfg, inputs={"prepare": Path(cfg.in_dir)}, **capture_record(cfg, setup, backend, dist, results))
     dist.barrier()
     return out
 
 
-def _config_sha(target_path) -> str:
-    return hashlib.sha256((Path(target_path) / "config.json").read_bytes()).hexdigest()
+def capture_one_split(cfg, setup: CaptureSetup, backend, dist: Dist, split: str, ds) -> dict:
+    """One split through the backend into its store (resumed where a killed run stopped); its summary."""
+    out = Path(cfg.out_dir)
+    seqs, plan_counts = plan_split(ds, cfg.limit, setup.max_len, cfg.on_overlong)
+    split_dir = out / split
+    store_dir = split_dir if dist.world == 1 else split_dir / f"part-{dist.rank}"
+    check_split_dir(split_dir, cfg, dist)
+    writer = open_writer(store_dir, cfg, setup.header(backend),
+                         store_meta(cfg, setup.fingerprints, setup.max_len, dist, split))
+    if dist.is_main:
+        for sid in plan_counts["skipped_overlong"]:
+            if sid not in writer.done_ids:
+                writer.skip(sid, "overlong")
+    run = backend.capture_split(ds, seqs, writer, cfg, setup.hf_indices, dist, f"capture {split}",
+                                setup.image_token_id)
+    manifest = writer.finish()
+    dist.barrier()
+    if dist.world > 1 and dist.is_main:
+        manifest = merge_stores(split_dir, [split_dir / f"part-{r}" for r in range(dist.world)])
+    result = {**summarize(manifest, plan_counts), "this_run": run}
+    if dist.is_main:
+        print(f"[capture] {split}: {result['sequences']:,} sequences, {result['tokens']:,} tokens "
+              f"in {result['shards']} shards; truncated {plan_counts['truncated']}, skipped "
+              f"{result['skipped'] or 0}; this run {run['tokens_run']:,} tokens in {run['seconds']:.1f}s")
+    return result
+
+
+def capture_record(cfg, setup: CaptureSetup, backend, dist: Dist, results: dict) -> dict:
+    """The capture manifest's fields besides config and inputs."""
+    H, n_aux = setup.hidden_size, len(setup.hf_indices)
+    state_bytes = torch.finfo(torch_dtype(cfg.dtype)).bits // 8
+    aux_bytes = n_aux * (H + 4) if cfg.aux_dtype == "float8_e4m3fn" else n_aux * H * state_bytes
+    return {"fingerprints": setup.fingerprints, "hf_indices": setup.hf_indices, "aux_layers": setup.aux.provenance(),
+            "image_token_id": setup.image_token_id,
+            "image_rows": backend.image_rows if setup.image_token_id is not None else None,
+            "target": {"path": cfg.target.path, "layout": cfg.target.layout, "num_hidden_layers": setup.num_layers,
+                       "hidden_size": H, "vocab_size": setup.vocab_size, "config_sha256": fp.input_file(Path(cfg.target.path) / "config.json")},
+            "world_size": dist.world, "store_dtype": cfg.dtype, "store_aux_dtype": cfg.aux_dtype or cfg.dtype,
+            "max_seq_len": setup.max_len, "bytes_per_token": aux_bytes + H * state_bytes + 9, "splits": results}

@@ -2,7 +2,7 @@
 speculative method with the hidden-states KV connector, tensor parallel over the GPUs), this process
 turns the connector's per-request files into the project's store.
 
-Per sequence the engine writes the states at the layer ids of eagle3/vllm_protocol.request_ids: the
+Per sequence the engine writes the states at the layer ids of eagle3/engines/vllm_protocol.request_ids: the
 aux states at h (vLLM reads an id as h) and the last decoder layer's output, un-normed. Here the
 target's final norm (read from the checkpoint) makes that the post-norm `last`, and the target's
 lm_head (every row, from the checkpoint) gives the argmax, with the same functions as the HF backend
@@ -36,6 +36,7 @@ import torch
 
 from data.capture_plan import CaptureError, Seq, make_batches
 from data.capture_vllm_images import ImageRequest, ImageSkip, build_requests, expansion_problem, skip
+from eagle3.config import resolve
 from eagle3.target_model import target_io
 from eagle3.engines import vllm_images
 from eagle3.engines import vllm_protocol
@@ -242,8 +243,8 @@ class Teacher:
     (post-norm `last`, argmax over the full vocabulary)."""
 
     def __init__(self, cfg, text_cfg: dict):
-        dev = cfg.vllm.head_device
-        self.device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+        dev = cfg.vllm.head_device  # auto | cpu | cuda
+        self.device = torch.device(resolve.device(dev))
         dtype = torch_dtype(cfg.target.dtype)
         self.eps = float(text_cfg.get("rms_norm_eps", 1e-6))
         self.norm_weight = target_io.load_final_norm(cfg.target.path, cfg.target.layout).to(self.device, dtype)

@@ -18,12 +18,12 @@ from data.conversations import (ROLE_MAP, SKIP_REASONS, Conversation, PrepareErr
 from data.image_messages import conversation_images, has_images, images_kept
 from data.template_encoder import Encoded, TemplateEncoder
 from eagle3.target_model.images import media_pad_count
-from eagle3.world import (TokenHash, combine, deterministic_algorithms, deterministic_ops_note, target_part,
-                          world_fingerprint)
+from eagle3 import fingerprints as fp
+from eagle3.world import TokenHash, combine, deterministic_algorithms, deterministic_ops_note, world_fingerprint
 
 __all__ = ["ROLE_MAP", "SKIP_REASONS", "Conversation", "Encoded", "PrepareError", "ReadInfo", "Skip", "SkipCounter",
-           "TemplateEncoder", "conversation_from_record", "input_fingerprint", "is_validation", "load_tokenizer",
-           "read_conversations", "run_prepare", "summary", "tokenizer_fingerprint"]
+           "TemplateEncoder", "conversation_from_record", "is_validation", "load_tokenizer",
+           "read_conversations", "run_prepare", "summary"]
 
 
 def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
@@ -38,35 +38,11 @@ def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
 # The stage: read -> validate -> (regenerate) -> encode -> split -> write
 # ----------------------------------------------------------------------------------------------
 
+SPLITS = ("train", "validation")
 FEATURES_SPEC = {"id": "string", "input_ids": "int32", "loss_mask": "uint8", "prompt_len": "int32"}
 # An image conversation's images, in LM order (empty lists for text): the encoded bytes as read, and
 # image_grid_thw flattened (3 per image); pixel_values follow from both by eagle3/target_model/images.py's rule.
 IMAGE_FEATURES_SPEC = {"images": "binary", "image_grid_thw": "int32"}
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of what decides the token ids: the vocab, the special tokens and the chat
-    template (independent of where the files live; the real target dir holds 600 GB)."""
-    import json
-
-    h = hashlib.sha256()
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps([str(t) for t in tokenizer.all_special_tokens]).encode())
-    h.update(str(tokenizer.chat_template).encode())
-    return h.hexdigest()
-
-
-def input_fingerprint(path) -> str:
-    """sha256 over a file, or over every file (relative name + content) of a directory."""
-    from eagle3.formats.manifest import sha256_file
-
-    path = Path(path)
-    if path.is_file():
-        return sha256_file(path)
-    h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(str(p.relative_to(path)).encode() + b"\x00" + sha256_file(p).encode())
-    return h.hexdigest()
 
 
 class SplitWriter:
@@ -174,41 +150,32 @@ def _chunks(items, n: int):
 
 
 def load_tokenizer(target):
-    from transformers import AutoTokenizer
+    from eagle3.target_model.target_io import TargetError, load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(target.tokenizer, trust_remote_code=target.trust_remote_code)
-    except Exception as e:
-        raise PrepareError(f"cannot load the target tokenizer from target.tokenizer={target.tokenizer}: {e}") from e
+        return load(target)
+    except TargetError as e:
+        raise PrepareError(str(e)) from e
 
 
-def _reusable(out, config_dict: dict, fingerprints: dict) -> bool:
-    from eagle3.formats.manifest import read_manifest, stale_keys
-
-    if stale_keys(out, "prepare", {"config": config_dict, "fingerprints": fingerprints}):
-        return False
-    # A run in which some regenerations failed is never reused: rerunning is how they get retried.
-    return (not read_manifest(out, "prepare").get("counts", {}).get("skipped", {}).get("regen_failed")
-            and (out / "train").is_dir() and (out / "validation").is_dir())
+def no_failed_regenerations(manifest: dict) -> bool:
+    """Prepare's own reuse rule: a run in which some regenerations failed is never reused (rerunning is how
+    they get retried)."""
+    return not manifest.get("counts", {}).get("skipped", {}).get("regen_failed")
 
 
 def run_prepare(cfg) -> Path:
     """The prepare stage (`cfg`: eagle3.config.schema.prepare.PrepareConfig). Returns the stage dir."""
-    import os
-    import shutil
-    from tqdm import tqdm
-
-    from eagle3.config.conf import as_plain_dict
-    from eagle3.formats.manifest import MANIFEST, write_manifest
+    from eagle3.stage_dir import StageDir
 
     out, src = Path(cfg.out_dir), Path(cfg.input)
+    stage = StageDir(out, "prepare", PrepareError)
     if not src.exists():
         raise PrepareError(f"input {src} does not exist (set input=... to a ShareGPT JSON/JSONL file or a HF "
                            "dataset dir; the mini world's corpus is written by `make mini-world`)")
     tokenizer = load_tokenizer(cfg.target)
-    fingerprints = {"input": input_fingerprint(src), "tokenizer": tokenizer_fingerprint(tokenizer)}
-    config_dict = as_plain_dict(cfg)
-    if _reusable(out, config_dict, fingerprints):
+    fingerprints = {"input": fp.input_file(src), "tokenizer": fp.tokenizer(tokenizer)}
+    if stage.reused({"config": cfg, "fingerprints": fingerprints}, needs=SPLITS, rule=no_failed_regenerations):
         print(f"[prepare] {out} is up to date with this config and input; reusing it")
         return out
 
@@ -223,11 +190,27 @@ def run_prepare(cfg) -> Path:
         with deterministic_algorithms(nondeterministic):  # the same greedy text on a rerun (eagle3/world.py)
             convs, regen_stats = regenerate_conversations(list(convs), cfg, tokenizer, skips)
 
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".tmp-prepare-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    writers = {"train": SplitWriter(tmp / "train"), "validation": SplitWriter(tmp / "validation")}
+    with stage.staging() as tmp:
+        writers = {name: SplitWriter(tmp / name) for name in SPLITS}
+        _encode_into(writers, convs, encoder, media_ids, skips, cfg)
+        kept = sum(w.rows for w in writers.values())
+        if kept == 0:
+            raise PrepareError(f"no usable conversation in {src}: {info.records} records read, skipped by reason "
+                               f"{ {k: v for k, v in skips.as_dict().items() if v} }; examples: {skips.examples}")
+        if writers["train"].rows == 0:
+            raise PrepareError(f"all {kept} usable conversations fell into the validation split; "
+                               f"lower validation_fraction={cfg.validation_fraction} or add data")
+        splits = {name: w.save(tmp / name) for name, w in writers.items()}
+        _publish(stage, cfg, tmp, info, skips, splits, kept, fingerprints, nondeterministic, regen_stats, tokenizer,
+                 media_ids)
+    print(summary(info, _counts(info, skips, splits, kept), splits, regen_stats, skips.examples))
+    return out
+
+
+def _encode_into(writers: dict, convs, encoder, media_ids, skips: SkipCounter, cfg) -> None:
+    """Each conversation encoded (skips counted by reason) into its split's writer."""
+    from tqdm import tqdm
+
     bar = tqdm(desc="prepare: tokenize", unit="conv", mininterval=2)
     for chunk in _chunks(convs, ENCODE_CHUNK):
         for conv, enc in zip(chunk, encoder.encode_many(chunk)):
@@ -243,43 +226,33 @@ def run_prepare(cfg) -> Path:
             writers[split].add(conv.id, enc, images)
         bar.update(len(chunk))
     bar.close()
-    kept = sum(w.rows for w in writers.values())
-    if kept == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise PrepareError(f"no usable conversation in {src}: {info.records} records read, skipped by reason "
-                           f"{ {k: v for k, v in skips.as_dict().items() if v} }; examples: {skips.examples}")
-    if writers["train"].rows == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise PrepareError(f"all {kept} usable conversations fell into the validation split; "
-                           f"lower validation_fraction={cfg.validation_fraction} or add data")
-    splits = {name: w.save(tmp / name) for name, w in writers.items()}
-    # Swap the new splits in; the old manifest goes first so a crash never leaves a manifest
-    # that describes different data. (The regenerated/ cache is left alone.)
-    (out / MANIFEST).unlink(missing_ok=True)
-    for name in writers:
-        shutil.rmtree(out / name, ignore_errors=True)
-        os.replace(tmp / name, out / name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    counts = {"records_read": info.records, "kept": kept, "skipped_total": skips.total,
-              "skipped": skips.as_dict(), "leading_assistant_turns_dropped": info.leading_dropped,
-              "trailing_messages_dropped": info.trailing_dropped,
-              "tokens": sum(s["tokens"] for s in splits.values()),
-              "loss_tokens": sum(s["loss_tokens"] for s in splits.values()),
-              "truncated": sum(s["truncated"] for s in splits.values()),
-              "images": sum(s["images"] for s in splits.values()),
-              "image_tokens": sum(s["image_tokens"] for s in splits.values())}
-    world = world_fingerprint(target_part(Path(cfg.target.path)),
+
+
+def _counts(info: ReadInfo, skips: SkipCounter, splits: dict, kept: int) -> dict:
+    return {"records_read": info.records, "kept": kept, "skipped_total": skips.total,
+            "skipped": skips.as_dict(), "leading_assistant_turns_dropped": info.leading_dropped,
+            "trailing_messages_dropped": info.trailing_dropped,
+            "tokens": sum(s["tokens"] for s in splits.values()),
+            "loss_tokens": sum(s["loss_tokens"] for s in splits.values()),
+            "truncated": sum(s["truncated"] for s in splits.values()),
+            "images": sum(s["images"] for s in splits.values()),
+            "image_tokens": sum(s["image_tokens"] for s in splits.values())}
+
+
+def _publish(stage, cfg, tmp: Path, info: ReadInfo, skips: SkipCounter, splits: dict, kept: int, fingerprints: dict,
+             nondeterministic: list, regen_stats, tokenizer, media_ids) -> None:
+    """The new splits swapped in (the regenerated/ cache beside them is left alone), then the manifest."""
+    world = world_fingerprint(fp.target_part(Path(cfg.target.path)),
                               combine({name: s["token_sha256"] for name, s in splits.items()}))
-    write_manifest(out, "prepare", cfg, counts=counts, splits=splits, skip_examples=skips.examples, world=world,
-                   determinism={"regenerate": deterministic_ops_note(nondeterministic), "ops": nondeterministic},
-                   reader=info.stats.as_dict(), fingerprints=fingerprints, regenerate=regen_stats,
-                   tokenizer={"path": cfg.target.tokenizer, "len": len(tokenizer)},
-                   media_token_ids=media_ids,
-                   columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply",
-                            "images": "binary: each image's encoded bytes, in LM order",
-                            "image_grid_thw": "int32: 3 per image (t, h, w in 14-pixel patches)"})
-    print(summary(info, counts, splits, regen_stats, skips.examples))
-    return out
+    stage.publish(cfg, staged=tmp, members=SPLITS, counts=_counts(info, skips, splits, kept), splits=splits,
+                  skip_examples=skips.examples, world=world,
+                  determinism={"regenerate": deterministic_ops_note(nondeterministic), "ops": nondeterministic},
+                  reader=info.stats.as_dict(), fingerprints=fingerprints, regenerate=regen_stats,
+                  tokenizer={"path": cfg.target.tokenizer, "len": len(tokenizer)},
+                  media_token_ids=media_ids,
+                  columns={**FEATURES_SPEC, "prompt_len": "int32: tokens before the first assistant reply",
+                           "images": "binary: each image's encoded bytes, in LM order",
+                           "image_grid_thw": "int32: 3 per image (t, h, w in 14-pixel patches)"})
 
 
 def summary(info: ReadInfo, counts: dict, splits: dict, regen_stats: Optional[dict],

@@ -18,7 +18,9 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from eagle3 import fingerprints as fp
 from eagle3.errors import StageError
+from eagle3.formats.manifest import atomic_write_json, sha256_file
 from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, masked_token_counts,
                                       t2d_from_ids, top_n_vocab, validate_mapping)
 
@@ -77,17 +79,11 @@ def target_vocab_size(cfg) -> int:
         raise VocabStageError(f"cannot tell the target vocab size ({e}); set target_vocab_size=V") from e
 
 
-def drafter_weight_files(drafter_dir) -> list[Path]:
-    d = Path(drafter_dir)
-    main = d / "model.safetensors"
-    return [main] if main.is_file() else sorted(d.glob("*.safetensors"))
-
-
 def read_init_mapping(drafter_dir: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
     """Target ids of an existing drafter's draft vocab, from its `d2t` (and `t2d` if present)."""
     from safetensors import safe_open
 
-    files = drafter_weight_files(drafter_dir)
+    files = fp.drafter_weight_files(drafter_dir)
     if not files:
         raise VocabStageError(f"init drafter {drafter_dir}: no *.safetensors weights")
     d2t = t2d = path = None
@@ -135,70 +131,73 @@ def build_report(counts: torch.Tensor, ids: torch.Tensor, n: int, old: Optional[
 
 def run_vocab(cfg) -> Path:
     """The vocab stage (`cfg`: eagle3.config.schema.vocab.VocabConfig). Returns the stage dir."""
-    import time
-
-    from safetensors.torch import save_file
-
-    from eagle3.formats.manifest import (ManifestError, atomic_write_json, fingerprint, read_manifest, sha256_file,
-                                         stale_keys, write_manifest)
+    from eagle3.stage_dir import StageDir
 
     in_dir, out = Path(cfg.in_dir), Path(cfg.out_dir)
-    try:
-        prep = read_manifest(in_dir, "prepare")
-    except ManifestError as e:
-        raise VocabStageError(str(e)) from e
+    stage = StageDir(out, "vocab", VocabStageError)
+    prep = stage.input(in_dir, "prepare")
     split_dir = in_dir / cfg.split
     if not split_dir.is_dir():
         raise VocabStageError(f"{in_dir}: no {cfg.split}/ split (is the prepare stage complete?)")
     init_dir = Path(cfg.init.drafter_path) if cfg.init is not None and cfg.init.drafter_path else None
-    init_files = drafter_weight_files(init_dir) if init_dir is not None and init_dir.is_dir() else []
-    init_fp = ";".join(sha256_file(f) for f in init_files) if init_files else None
-    inputs_fp = {"prepare": fingerprint(in_dir), "init_drafter": init_fp}
-    if not stale_keys(out, "vocab", {"config": cfg, "fingerprints": inputs_fp}) and (out / VOCAB_FILE).is_file():
+    init_fp = fp.drafter_weights(init_dir)
+    inputs_fp = {"prepare": fp.stage_dir(in_dir), "init_drafter": init_fp}
+    if stage.reused({"config": cfg, "fingerprints": inputs_fp}, needs=[VOCAB_FILE]):
         print(f"[vocab] {out} is up to date with this config and input; reusing it")
         return out
 
     v, n = target_vocab_size(cfg), cfg.draft_vocab_size
     if n > v:
         raise VocabStageError(f"draft_vocab_size={n} exceeds the target vocab size {v}")
-    import datasets  # noqa: F401  (imported before the clock starts: the count is what is timed)
-
-    t0 = time.perf_counter()
-    try:
-        counts = count_loss_tokens(iter_flat_chunks(split_dir), v, cfg.chunk_tokens)
-    except VocabMapError as e:
-        raise VocabStageError(f"{split_dir}: {e} (is target_vocab_size right for this tokenizer?)") from e
-    count_s = time.perf_counter() - t0
-    if int(counts.sum()) == 0:
-        raise VocabStageError(f"{split_dir}: no loss-masked tokens to count")
+    counts, count_s = _count(split_dir, v, cfg.chunk_tokens)
     ids = top_n_vocab(counts, n)
     d2t, t2d = d2t_from_ids(ids), t2d_from_ids(ids, v)
     validate_mapping(d2t, t2d, v)
-
     old = None
     if init_dir is not None:
         if init_fp is None:
             print(f"[vocab] init drafter {init_dir} not found: report has no comparison")
         else:
             old = read_init_mapping(init_dir, v)
-    tokenizer = _load_tokenizer(cfg.target)
-    report = build_report(counts, ids, n, old, tokenizer, cfg.report_top_missing)
+    report = build_report(counts, ids, n, old, _load_tokenizer(cfg.target), cfg.report_top_missing)
     report["count_seconds"] = round(count_s, 3)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)
-    tmp = out / f".{VOCAB_FILE}.tmp"
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "counts": counts.contiguous()}, str(tmp),
-              metadata={"format": "pt", "convention": "target_id = d2t[i] + i"})
-    tmp.replace(out / VOCAB_FILE)
-    atomic_write_json(out / REPORT_FILE, report)
-    write_manifest(out, "vocab", cfg, inputs={"prepare": in_dir}, fingerprints=inputs_fp,
-                   counts={"loss_tokens": report["loss_tokens"], "distinct_tokens_seen": report["distinct_tokens_seen"],
-                           "draft_vocab_size": n, "target_vocab_size": v, "filled_with_unseen": report["filled_with_unseen"],
-                           "prepared_conversations": prep.get("splits", {}).get(cfg.split, {}).get("conversations")},
-                   coverage=report["coverage"], files={VOCAB_FILE: sha256_file(out / VOCAB_FILE)})
+    with stage.staging() as tmp:
+        _write_vocab(tmp / VOCAB_FILE, d2t, t2d, counts)
+        atomic_write_json(tmp / REPORT_FILE, report)
+        stage.publish(cfg, staged=tmp, members=[VOCAB_FILE, REPORT_FILE], inputs={"prepare": in_dir},
+                      fingerprints=inputs_fp,
+                      counts={"loss_tokens": report["loss_tokens"], "distinct_tokens_seen": report["distinct_tokens_seen"],
+                              "draft_vocab_size": n, "target_vocab_size": v,
+                              "filled_with_unseen": report["filled_with_unseen"],
+                              "prepared_conversations": prep.get("splits", {}).get(cfg.split, {}).get("conversations")},
+                      coverage=report["coverage"], files={VOCAB_FILE: sha256_file(tmp / VOCAB_FILE)})
     print(summary(report))
     return out
+
+
+def _count(split_dir: Path, v: int, chunk_tokens: int) -> tuple[torch.Tensor, float]:
+    """The loss-token counts of a prepared split (and the seconds the count took)."""
+    import time
+
+    import datasets  # noqa: F401  (imported before the clock starts: the count is what is timed)
+
+    t0 = time.perf_counter()
+    try:
+        counts = count_loss_tokens(iter_flat_chunks(split_dir), v, chunk_tokens)
+    except VocabMapError as e:
+        raise VocabStageError(f"{split_dir}: {e} (is target_vocab_size right for this tokenizer?)") from e
+    count_s = time.perf_counter() - t0
+    if int(counts.sum()) == 0:
+        raise VocabStageError(f"{split_dir}: no loss-masked tokens to count")
+    return counts, count_s
+
+
+def _write_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "counts": counts.contiguous()}, str(path),
+              metadata={"format": "pt", "convention": "target_id = d2t[i] + i"})
 
 
 def _load_tokenizer(target):

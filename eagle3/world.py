@@ -2,8 +2,8 @@
 
 A *world* is what every later number depends on besides training seeds: the target's weights and
 the prepared token ids (tokenizer, regenerated corpus, chat template and masks included). Its
-*fingerprint* is {"target": <weights hash>, "data": <token-id hash>}; prepare writes it, every later
-stage copies it from its inputs' manifests (`world_of_inputs`, called by `write_manifest`), and the
+*fingerprint* is {"target": <weights hash>, "data": <token-id hash>} (the target part's rule:
+eagle3/fingerprints.py target_part); prepare writes it, every later stage copies it from its inputs' manifests (`world_of_inputs`, called by `write_manifest`), and the
 study refuses to pool records whose worlds differ (pipeline/study_report.py).
 
 Deterministic builds: `deterministic_algorithms()` turns on torch's deterministic algorithms for a
@@ -23,17 +23,13 @@ import contextlib
 import hashlib
 import os
 import re
-import struct
 import warnings
-from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from eagle3.errors import StageError
 
 WORLD_KEY = "world"                      # the manifest field
 CUBLAS_WORKSPACE = ":4096:8"             # torch's documented setting for deterministic cuBLAS
-FULL_HASH_LIMIT = 2 << 30                # weights up to 2 GiB are hashed whole; larger ones sampled
-SAMPLE_BYTES = 1 << 20
 _NONDETERMINISTIC = re.compile(r"^(.*?) does not have a deterministic implementation")
 # warn-only mode lets SDPA's fused backward kernels keep their split-key (atomic) reduction and says so
 # in this wording (torch's attention_backward.cu); seen on an H200 building the GPU-size mini world
@@ -42,32 +38,6 @@ _DEFAULTS_NONDETERMINISTIC = re.compile(r"^(.*?) defaults to a non-deterministic
 
 class WorldMismatch(StageError, ValueError):
     """Inputs, or study records, that come from different worlds."""
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """sha256 (16 hex) of a checkpoint's weights: every `*.safetensors` file's name and size and its
-    bytes (whole up to FULL_HASH_LIMIT in all; else each file's header plus 1 MiB at the start, middle
-    and end of its data, enough to tell a retrained model: training changes every tensor)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to fingerprint")
-    whole = sum(f.stat().st_size for f in files) <= FULL_HASH_LIMIT
-    h = hashlib.sha256(b"whole" if whole else b"sampled")
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            if whole:
-                while block := fh.read(1 << 20):
-                    h.update(block)
-                continue
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            h.update(fh.read(header_len))
-            start = 8 + header_len
-            for at in (start, start + (size - start) // 2, max(start, size - SAMPLE_BYTES)):
-                fh.seek(at)
-                h.update(fh.read(SAMPLE_BYTES))
-    return h.hexdigest()[:16]
 
 
 class TokenHash:
@@ -119,15 +89,6 @@ def world_of_inputs(manifests: Iterable[dict], where: str) -> Optional[dict]:
         return None
     w = next(iter(seen.values()))
     return {k: w[k] for k in ("target", "data", "id")}
-
-
-def target_part(model_dir: Path) -> str:
-    """The world's target part: the weights' fingerprint, or `unread:<dir>` where the directory holds no
-    safetensors weights (a stage that only needs the tokenizer, run before the weights are there)."""
-    try:
-        return weights_fingerprint(model_dir)
-    except FileNotFoundError:
-        return f"unread:{Path(model_dir).name}"
 
 
 def deterministic_ops_note(ops: list[str]) -> str:

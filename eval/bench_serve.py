@@ -29,7 +29,8 @@ from eval import serve_report as rep
 from eagle3.engines.serve_protocol import server_info_speculation
 from eval.wandb_log import log_run
 from eval.serve_client import Unreachable, sglang_server_info
-from eval.stage import drafter_checksum
+from eagle3 import fingerprints as fp
+from eagle3.config import resolve
 from eval.serve_measure import BenchServeError, RequestLog, launch_line, measure, probe, prompts_key
 
 REPORT, PRESET = "report.json", "cost_preset.json"
@@ -107,7 +108,7 @@ def _load_replay(cfg: BenchServeConfig):
     from eagle3.target_model.target_io import load_embed_tokens, load_target, read_text_config
     from eval.serve_compare import GenerationReplay
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.compare.device == "auto" else cfg.compare.device
+    device = resolve.device(cfg.compare.device)
     embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
     drafter = load_drafter_dir(cfg.drafter_dir, embed_tokens=embed, device=device, dtype=cfg.compare.dtype).eval()
     target, _ = load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype, cfg.target.device_map,
@@ -238,7 +239,7 @@ def run_bench_serve(cfg: BenchServeConfig, console=None) -> Path:
     inputs = {"capture": Path(cfg.capture_dir)} if (Path(cfg.capture_dir) / MANIFEST).is_file() else {}
     write_manifest(out_dir, "bench_serve", cfg, inputs, counts={"prompts": len(prompts)},
                    summary={n: s.get("accept_length", {}).get("decode_pooled") for n, s in report["servers"].items()},
-                   drafter_sha256=drafter_checksum(Path(cfg.drafter_dir)))
+                   drafter_sha256=fp.drafter_dir(Path(cfg.drafter_dir)))
     text = rep.render(report)
     (console.print if console is not None else print)(text)
     if report.get("cost_preset"):

@@ -20,8 +20,7 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
+from eagle3.config import resolve
 from eagle3.config.conf import compose, to_schema
 from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
 from pipeline.study import Evaluator, cached_record, curve, knobs_of, run_overrides, world_of
@@ -57,7 +56,7 @@ def measure_arms(cfg, exp, log) -> None:
     from eagle3.config.schema.train import TrainConfig
 
     out_dir = Path(cfg.out_dir)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.eval_device == "auto" else cfg.eval_device
+    device = resolve.device(cfg.eval_device)
     ev = Evaluator(to_schema(compose("eval", exp.k25 + list(cfg.overrides.eval)), EvalConfig), device)
     knobs = knobs_of(cfg.curve.knobs)
     for seed in cfg.seeds:  # seeds outermost: an interrupted A/B holds both arms of its first seeds

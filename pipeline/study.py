@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
+from eagle3.config import resolve
 from eagle3.replay.accept_sim import SpecKnobs
 from eagle3.replay.knob_grid import knob_grid
 from eagle3.config.conf import as_plain_dict, compose, to_schema
@@ -245,7 +244,7 @@ def measure_world(cfg, exp, log, t0: float, world: int) -> None:
 
     out_dir = Path(cfg.out_dir)
     runs_dir = out_dir / RECORDS
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.eval_device == "auto" else cfg.eval_device
+    device = resolve.device(cfg.eval_device)
     eval_cfgs = {side: to_schema(compose("eval", over + list(cfg.overrides.eval)), EvalConfig)
                  for side, over in (("k25", exp.k25), ("k2", exp.k2))}
     sides = {side: Evaluator(c, device) for side, c in eval_cfgs.items()}

@@ -300,7 +300,7 @@ def test_finished_run_is_reused_and_redone_when_inputs_change(tmp_path, tiny_tok
     write_jsonl(src, GOOD[:6])  # the input changed: redone
     run_prepare(cfg)
     assert read_manifest(out, "prepare")["counts"]["kept"] == 6
-    assert not list(out.glob(".tmp-*"))
+    assert not list(out.glob(".*.tmp-*"))  # the staging directory (eagle3/stage_dir.py) is gone
     shutil.rmtree(out / "validation")  # an incomplete directory is not reused
     run_prepare(cfg)
     assert (out / "validation").is_dir()

@@ -28,7 +28,8 @@ from eagle3.errors import StageError
 from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
 from eagle3.target_model.media_tokens import media_token_ids
 from eagle3.config.schema.mini_world import MiniWorldConfig
-from eagle3.world import deterministic_algorithms, deterministic_ops_note, weights_fingerprint
+from eagle3.fingerprints import target_weights
+from eagle3.world import deterministic_algorithms, deterministic_ops_note
 
 from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
@@ -214,7 +215,7 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
     with deterministic_algorithms(nondeterministic):  # same seed, same weights (eagle3/world.py)
         k2 = _model_stage(cfg, out, stages, tok, "k2-mini", enc[PROSE]["train"], cfg.k2_train, base=None)
         k25 = _model_stage(cfg, out, stages, tok, "k25-mini", enc[CODE]["train"], cfg.k25_train, base=k2)
-    weights = {name: weights_fingerprint(out / name) for name in MODEL_DIRS.values()}
+    weights = {name: target_weights(out / name) for name in MODEL_DIRS.values()}
 
     t = time.perf_counter()
     _write_jsonl(out / "corpus" / f"{TARGET_NAMES[PROSE]}.jsonl", [c.sharegpt() for c in parts[(PROSE, "corpus")]])

@@ -51,6 +51,16 @@ class TargetError(StageError, RuntimeError):
     """A target directory / checkpoint / model that cannot be used, with the reason."""
 
 
+def load_tokenizer(target):
+    """The target's tokenizer (`target`: a TargetConf), or TargetError naming target.tokenizer and the cause."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target.tokenizer, trust_remote_code=target.trust_remote_code)
+    except Exception as e:
+        raise TargetError(f"cannot load the target tokenizer from target.tokenizer={target.tokenizer}: {e}") from e
+
+
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise TargetError(f"target layout {layout!r}: expected one of {LAYOUTS}")
@@ -136,7 +146,7 @@ def load_final_norm(target_path: str | Path, layout: str) -> torch.Tensor:
 
 def _ties_embeddings(target_path: str | Path, layout: str) -> bool:
     cfg = read_full_config(target_path)
-    # Kimi_K25Config's top-level tie_word_embeddings wins over text_config's (REFERENCES.md).
+    # Kimi_K25Config's top-level tie_word_embeddings wins over text_config's (docs/design.md "Sources").
     if layout == "kimi_k25":
         return bool(cfg.get("tie_word_embeddings", True))
     return bool(cfg.get("tie_word_embeddings", False))

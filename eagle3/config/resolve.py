@@ -1,0 +1,46 @@
+"""Every config `auto`, resolved once: one function per concern, called right after a stage reads its
+config; the stage records what they chose in its manifest (`resolved`), so a reader finds what a run did
+there. `data.order` is its schema's own (TrainDataConf.resolved_order); the image-row convention's rule is
+eagle3/drafter/image_embeddings.py `resolve`, re-exported here as `image_embeddings`.
+
+Standard library at import; torch only inside `device` (is CUDA there?).
+"""
+from __future__ import annotations
+
+from eagle3.drafter.image_embeddings import resolve as image_embeddings
+
+__all__ = ["compile_fast_path", "device", "image_embeddings", "loader_workers", "precision", "unroll"]
+
+GPU_LOADER_WORKERS = 4  # reader processes ahead of a GPU; the CPU path reads in the training process
+
+
+def device(choice: str = "auto", *, force_cpu: bool = False) -> str:
+    """auto | cpu | cuda -> cpu | cuda: auto (or force_cpu unset) takes CUDA when it is there."""
+    if force_cpu:
+        return "cpu"
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def precision(choice: str, device_type: str) -> str:
+    """accelerate's mixed_precision: auto = bf16 autocast on GPU, fp32 ("no") on CPU."""
+    return ("bf16" if device_type == "cuda" else "no") if choice == "auto" else choice
+
+
+def unroll(choice: str, device_type: str) -> str:
+    """The TTT unroll: auto = fast on GPU (flash kernels), reference elsewhere."""
+    return ("fast" if device_type == "cuda" else "reference") if choice == "auto" else choice
+
+
+def compile_fast_path(choice, device_type: str) -> bool:
+    """compile=auto: on GPU only (Inductor's CPU compile takes minutes and the CPU path is small)."""
+    choice = str(choice).lower()
+    return device_type == "cuda" if choice == "auto" else choice == "true"
+
+
+def loader_workers(n: int, device_type: str) -> int:
+    """data.num_workers=-1: GPU_LOADER_WORKERS on GPU, 0 (read in this process) on CPU."""
+    return n if n >= 0 else (GPU_LOADER_WORKERS if device_type == "cuda" else 0)
