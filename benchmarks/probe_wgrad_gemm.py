@@ -1,6 +1,6 @@
 """The weight-gradient GEMM of one TTT step at Kimi-K2 size (gate/up: [2I, T] @ [T, H]), three ways:
 bf16 out (what autograd's per-step weight gradient is), fp32 out, and fp32 accumulated in place
-with beta = 1 (eagle3/wgrad.matmul_accumulate), beside bf16 out + a bf16 add (autograd's sum over
+with beta = 1 (eagle3/ttt/wgrad.matmul_accumulate), beside bf16 out + a bf16 add (autograd's sum over
 steps). Checks that the in-place form writes the buffer it was given.
 
     python benchmarks/probe_wgrad_gemm.py --tokens 4096

@@ -1,6 +1,6 @@
 """The compute floor of one fast training step: its matmuls and its causal attention, replayed back to back.
 
-`eagle3/fast_unroll.ttt_unroll_fast` at given dimensions runs a fixed list of GEMMs (the forward's
+`eagle3/ttt/fast_unroll.ttt_unroll_fast` at given dimensions runs a fixed list of GEMMs (the forward's
 projections, the fused CE's three products per chunk, each step's input- and weight-gradient products,
 the weight gradients accumulated in fp32 with beta = 1) and 7 causal attention calls forward and
 backward. `step_ops` lists them in order with the operand layouts the step uses (x @ W^T forward, dy @ W input

@@ -9,7 +9,7 @@ from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
 TINY = dict(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             vocab_size=50, draft_vocab_size=12, target_hidden_size=24, aux_hf_indices=[2, 3, 5],
             rope_theta=10000.0, max_position_embeddings=128)
-# The published Kimi-K2.5 EAGLE-3 drafter shape (REFERENCES.md).
+# The published Kimi-K2.5 EAGLE-3 drafter shape (docs/design.md "Sources").
 K25 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
            vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168, aux_hf_indices=[2, 30, 58],
            rope_theta=1e6, max_position_embeddings=131072)

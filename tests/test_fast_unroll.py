@@ -6,8 +6,8 @@ torch.compile: Inductor takes minutes on CPU).
 - eagle3/ttt/fused_ce.py (chunked linear + soft CE) vs logits @ soft_cross_entropy_rows and a float64
   log_softmax written here;
 - eagle3/ttt/fast_kernels.py eager pieces vs RMSNorm / a hand-built softmax over [block 0 | diagonal];
-- eagle3/ttt/fast_unroll.py vs eagle3/unroll.ttt_unroll: loss, per-step counts and every gradient;
-- eagle3/loss.teacher_logits leaves the TF32 switch as it found it.
+- eagle3/ttt/fast_unroll.py vs eagle3/ttt/unroll.ttt_unroll: loss, per-step counts and every gradient;
+- eagle3/ttt/loss.teacher_logits leaves the TF32 switch as it found it.
 """
 import math
 

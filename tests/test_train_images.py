@@ -1,6 +1,6 @@
 """Training feeds the drafter what the serving engine feeds (issue 34): under image_embeddings=fused the store's
 fused rows replace the token embedding at image positions, shifted by one like the ids (the replay's rule,
-eagle3/image_embeddings.token_embeddings), in the reference and the fast unroll; under placeholder
+eagle3/drafter/image_embeddings.token_embeddings), in the reference and the fast unroll; under placeholder
 embed(<|media_pad|>). A text-only store trains exactly as before under both. Checked on what the drafter's
 layer receives (a forward pre-hook), in the objective and in a real train-stage step."""
 import json

@@ -1,4 +1,4 @@
-"""eagle3/ttt/triton_kernels.py: the Triton kernels give the eager functions' results (eagle3/fast_kernels
+"""eagle3/ttt/triton_kernels.py: the Triton kernels give the eager functions' results (eagle3/ttt/fast_kernels.py:
 diagonal_merge_forward / _backward, soft_ce_chunk), on CUDA (skipped elsewhere: CI has no GPU; run on
 the device, BENCHMARKS.md). Without a GPU, `usable` must refuse and the compiled path is used."""
 import pytest

@@ -1,7 +1,7 @@
 """The TTT unroll (eagle3/ttt/unroll.py) against a naive step-by-step reference written here: every
 step recomputed from scratch over the concatenation of all earlier steps' inputs with an explicit
 full attention mask (no TTT cache), teacher from the *full* target head, masks and weights from
-DESIGN.md's formula evaluated position by position."""
+docs/design.md "TTT": the formula evaluated position by position."""
 import ast
 import math
 from pathlib import Path

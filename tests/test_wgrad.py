@@ -1,5 +1,5 @@
 """eagle3/ttt/wgrad.py: weight gradients summed in fp32 over a batch's uses, handed to the parameters
-through one autograd node; and the fast unroll's SwiGLU recompute (eagle3/fast_unroll._SwiGLUDown)."""
+through one autograd node; and the fast unroll's SwiGLU recompute (eagle3/ttt/fast_unroll._SwiGLUDown)."""
 from __future__ import annotations
 
 import pytest

@@ -207,7 +207,7 @@ def collate(items: list[dict], pin_memory: bool = False) -> dict:
     Returns input_ids Long [B,T], loss_mask Bool [B,T] (False on padding), target_argmax Long [B,T],
     aux [B,T,3Ht] and last [B,T,H] in the store dtype (zeros on padding), lengths Long [B],
     ids (list of sequence ids); from an image store also image_embeds [M, H]: the items' fused image rows
-    in row-major order over [B, T] (what eagle3/image_embeddings.token_embeddings scatters). Right padding
+    in row-major order over [B, T] (what eagle3/drafter/image_embeddings.token_embeddings scatters). Right padding
     needs no attention mask (see eagle3/ttt/unroll.py).
     pin_memory: allocate the batch in page-locked memory (one copy from the store's memory map
     straight into memory the GPU can read asynchronously)."""

@@ -64,7 +64,7 @@ def write_drafter_dir(drafter: Eagle3Drafter, full_state: Optional[dict], out_di
     """Write a drafter directory (fp32 master weights; export casts for serving). `full_state` is
     the gathered state of the wrapped objective (keys `drafter.*`), needed when the live modules
     hold only shards (FSDP); otherwise the live drafter is written directly. image_embeddings: the run's
-    convention, recorded in config.json (eagle3/image_embeddings.CONFIG_KEY; the export carries it)."""
+    convention, recorded in config.json (eagle3/drafter/image_embeddings.CONFIG_KEY; the export carries it)."""
     extra = {} if image_embeddings is None else {CONFIG_KEY: check_convention(image_embeddings)}
     if full_state is None or _is_live(drafter, full_state):
         return save_drafter_dir(drafter, out_dir, dtype=torch.float32, config_overrides=extra)

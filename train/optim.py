@@ -2,7 +2,7 @@
 
 `TritonAdamW` is torch.optim.AdamW (same hyper-parameters, same state and state_dict: checkpoints move
 freely between the two) whose step on contiguous CUDA fp32 parameters runs one Triton kernel per
-parameter (eagle3/triton_kernels.adamw_update): it reads the parameter, its gradient and both moments
+parameter (eagle3/ttt/triton_kernels.adamw_update): it reads the parameter, its gradient and both moments
 once and writes the parameter and the moments. The clip factor `train.engine.clip_gradients` leaves
 as `grad_scale` divides each gradient as it is read. torch's fused AdamW takes the same factor but
 writes the divided gradients back, 4 more bytes per parameter (at Kimi-K2 size ~4.8 GB per step); its

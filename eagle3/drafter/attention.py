@@ -1,6 +1,6 @@
 """Attention over draft steps: the training-time-test (TTT) pattern and the inference KV cache.
 
-TTT (DESIGN.md): the drafter is unrolled for K steps over a whole sequence at once. At step k,
+TTT (docs/design.md "TTT"): the drafter is unrolled for K steps over a whole sequence at once. At step k,
 query position t attends to
   * the step-0 keys of positions 0..t (causal), and
   * its *own* position's keys from steps 1..k (one key per step: the diagonal).

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter: numerically SGLang's `LlamaForCausalLMEagle3` (one decoder layer).
 
-One draft step (DESIGN.md "Drafter forward"), H = hidden_size:
+One draft step (docs/design.md "Drafter forward"), H = hidden_size:
     e      = embed_tokens(input_ids)                       [B,T,H]   target's, frozen
     x      = cat(input_layernorm(e), hidden_norm(hidden))  [B,T,2H]
     h1     = hidden + o_proj(attn(q/k/v_proj(x)))          residual = the *un-normalised* hidden

@@ -1,6 +1,6 @@
 """The draft vocabulary and its mapping to the target vocabulary (pure functions, torch only).
 
-Conventions (DESIGN.md "Vocab mapping", SGLang's `LlamaForCausalLMEagle3`):
+Conventions (docs/design.md "Vocab mapping", SGLang's `LlamaForCausalLMEagle3`):
 - the draft vocab is the top-N target token ids by frequency, *sorted by id*;
 - `d2t[i] = target_id(i) - i`, an int64 offset (SGLang computes `hot_token_id = d2t + arange(N)`);
 - `t2d` is a bool mask over the target vocab [V], True for ids in the draft vocab.

@@ -164,7 +164,7 @@ def serve_command(target_path: str | Path, ids: Sequence[int], storage_dir: str 
                   max_model_len: int | None, trust_remote_code: bool, dtype: str, host: str, port: int,
                   extra_flags: Sequence[str] = ()) -> str:
     """The exact `vllm serve ...` line (shell-quoted) that starts an engine this backend can use (`extra_flags`:
-    more switches, e.g. eagle3/vllm_images.SERVE_FLAG for image captures)."""
+    more switches, e.g. eagle3/engines/vllm_images.SERVE_FLAG for image captures)."""
     args = ["vllm", "serve", str(target_path), "--tensor-parallel-size", str(int(tensor_parallel_size)),
             "--dtype", dtype]
     if max_model_len is not None:

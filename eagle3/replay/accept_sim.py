@@ -1,6 +1,6 @@
 """Accept-length replay in SGLang's convention (pure: tensors and callables in, numbers out).
 
-What is simulated (DESIGN.md "Accept length"): greedy (temperature 0) EAGLE speculative decoding
+What is simulated (docs/design.md "Accept length"): greedy (temperature 0) EAGLE speculative decoding
 with SGLang's knobs `num_steps`, `topk`, `num_draft_tokens`. A verify *cycle* starts from the
 last verified token; the drafter proposes a tree (a chain when topk == 1), the target checks it
 in one forward pass, the longest root path matching the target's greedy tokens is accepted and

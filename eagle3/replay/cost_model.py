@@ -15,7 +15,7 @@ t_verify(n) = verify_ms + verify_ms_per_token * n: on a communication-bound serv
 per-token slope is 0 there; the real loop measures both on the machine at hand.
 
 Accept length from per-position acceptance (chain): tau = 1 + sum_k prod_{j<=k} a_j, where a_j is
-the probability that draft j is accepted given drafts < j were (REFERENCES.md: SpecForge's
+the probability that draft j is accepted given drafts < j were (docs/design.md "Sources": SpecForge's
 "simulated accept length" is the same sum without the +1).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Latencies:
         return self.verify(num_draft_tokens) + num_steps * self.draft_step_ms + self.draft_extend_ms
 
 
-# The account (../shared/seed): Kimi-K2.5 INT4 on 8 RTX PRO 6000 over PCIe, SGLang, 2/1/3:
+# The account (docs/design.md "Sources"): Kimi-K2.5 INT4 on 8 RTX PRO 6000 over PCIe, SGLang, 2/1/3:
 # 82 tok/s without speculation; "approximately 30 ms per cycle" for the verify, which the account
 # gives as the whole cycle's cost, so no separate draft-step cost is added.
 ACCOUNT_8GPU_PCIE = Latencies.from_baseline_tok_s(82.0, verify_ms=30.0, source="account: 8x RTX PRO 6000 PCIe, SGLang")

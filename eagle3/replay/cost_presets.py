@@ -1,6 +1,6 @@
 """Which server the cost model prices: the one home of cost preset names (standard library only).
 
-A preset is either a name in eagle3/cost_model.PRESETS (the account's assumed server) or
+A preset is either a name in eagle3/replay/cost_model.PRESETS (the account's assumed server) or
 `measured:<file>`, a JSON file `make bench-serve` writes from a live server's timings
 (eval/bench_serve.py): {"format": FORMAT, "latencies": {Latencies fields}, "fit": {...}, ...}.
 The eval and study configs take either as `cost.preset` (eagle3/config/schema/eval.py CostConf), and

@@ -94,7 +94,7 @@ def scaled_linear_soft_cross_entropy(x: torch.Tensor, weight: torch.Tensor, teac
     argmax of the logits, Long [N]); both sums fp32 or wider. grads: where weight's gradient goes
     (eagle3/ttt/wgrad.py, under `name`; weight is then a `shared_weights` copy and gets no gradient of
     its own); None: weight gets its gradient through autograd. compiled: the chunk's elementwise
-    math through torch.compile (eagle3/fast_kernels.soft_ce_chunk)."""
+    math through torch.compile (eagle3/ttt/fast_kernels.soft_ce_chunk)."""
     _check(x, weight, teacher_probs, rows, chunk_rows)
     if scale.dim() != 0:
         raise ValueError(f"linear_soft_cross_entropy: scale must be a 0-dim tensor, got {tuple(scale.shape)}")

@@ -1,6 +1,6 @@
 """The EAGLE-3 training objective, as pure tensor functions (no I/O, no model).
 
-Indexing (DESIGN.md "TTT", spelled out at the end of ARCHITECTURE.md): at TTT step k the drafter's
+Indexing (docs/design.md "TTT", spelled out at the end of ARCHITECTURE.md): at TTT step k the drafter's
 output at position t predicts token x_{t+k+2}. Its teacher is the target's distribution of that
 token, i.e. the target's logits at position t+k+1 restricted to the draft vocab; the position
 counts when `loss_mask[t+k+2]` (an assistant token is predicted) and `t2d[argmax_{t+k+1}]` (the

@@ -1,14 +1,14 @@
 """Hand-written Triton kernels for the fast TTT step on CUDA, where Inductor's code for the same math
 reads its operands more than once.
 
-* The diagonal merge of the TTT attention (eagle3/fast_kernels.diagonal_merge_forward / _backward):
+* The diagonal merge of the TTT attention (eagle3/ttt/fast_kernels.diagonal_merge_forward / _backward):
   each (position, head) row merges the causal block's output with that position's own keys/values of
   the later TTT steps, keys/values [S,B,T,h,d] with S <= 6. Compiled by Inductor the math splits into
   several kernels (reductions over d, then over S) that read the S keys/values two or three times;
   here one program takes a block of rows through all S steps in registers: keys/values are read once
   and dkeys/dvalues written once. Rounding differs only in order: the forward folds the steps into the
   log-sum-exp one at a time (online softmax); the backward adds each step's dq term in turn.
-* One chunk of the fused soft cross-entropy (eagle3/fast_kernels.soft_ce_chunk): a row's logits and
+* One chunk of the fused soft cross-entropy (eagle3/ttt/fast_kernels.soft_ce_chunk): a row's logits and
   teacher probabilities are read twice (an online log-sum-exp with the argmax and the two sums, then
   the gradient), where Inductor's kernel reads them about three times. The loss of a row is
   sum(p) * lse - sum(p * logits), the same sum as sum(p * (lse - logits)) in another order.

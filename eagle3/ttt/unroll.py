@@ -56,7 +56,7 @@ def ttt_unroll(model: nn.Module, aux: torch.Tensor, input_ids: torch.Tensor, las
     position_ids Long [B,T]: step-0 positions (default arange(T)).
     step_denominators fp32 [K]: N_k to divide each step's sum by (default: this batch's counts).
     input_embeds [B,T,H]: the input embeddings when not embed_tokens(input_ids) (image rows under
-    image_embeddings=fused), shifted by one like the ids (eagle3/unroll_common.embedding_strip).
+    image_embeddings=fused), shifted by one like the ids (eagle3/ttt/unroll_common.embedding_strip).
     """
     B, T = input_ids.shape
     check_unroll_inputs("ttt_unroll", aux, input_ids, last, target_argmax, loss_mask, ttt_length)

@@ -80,7 +80,7 @@ class CompareConf:
 @dataclass
 class LaunchConf:
     """What the printed launch lines name (the stage never starts a server)."""
-    tp: Optional[int] = None          # null: 8 for the real Kimi-K2.5 (eagle3/serve_launch.tensor_parallel)
+    tp: Optional[int] = None          # null: 8 for the real Kimi-K2.5 (eagle3/engines/serve_launch.tensor_parallel)
     speculators_dir: Optional[str] = None   # vLLM's drafter directory (export's speculators dir)
 
 
