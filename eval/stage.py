@@ -6,7 +6,6 @@ manifest names the same config, capture fingerprint and drafter checksum is reus
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,30 +13,19 @@ from typing import Optional
 import torch
 
 from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.config import resolve
 from eagle3.config.conf import ConfigError, as_plain_dict
 from eagle3.replay.cost_model import Latencies, predict
 from eagle3.replay.cost_presets import resolve_preset
-from eagle3.drafter.image_embeddings import resolve as resolve_image_embeddings, rows_problem
-from eagle3.formats.manifest import (MANIFEST, ManifestError, atomic_write_json, fingerprint, read_json, stale_keys,
-                                     write_manifest)
+from eagle3.drafter.image_embeddings import rows_problem
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import MANIFEST, ManifestError, atomic_write_json, read_json
+from eagle3.stage_dir import StageDir
 from eagle3.replay.evaluate import EvalInputError, NgramSettings, evaluate_drafter
 from eagle3.config.schema.eval import EvalConfig
 from eval.wandb_log import log_run
 
 REPORT = "report.json"
-
-
-def drafter_checksum(drafter_dir: Path) -> str:
-    """sha256 over the drafter's config.json and weight files (names + contents)."""
-    h = hashlib.sha256()
-    files = sorted(p for p in drafter_dir.iterdir() if p.name == "config.json" or p.name.endswith(".safetensors")
-                   or p.name.endswith(".safetensors.index.json"))
-    for p in files:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            while block := f.read(1 << 20):
-                h.update(block)
-    return h.hexdigest()
 
 
 def latencies_from_config(cfg) -> Latencies:
@@ -121,12 +109,12 @@ def prompt_images_from_store(store, n: int, convention: str) -> list:
     return out
 
 
-def _reusable(out_dir: Path, config: dict, inputs: dict) -> Optional[dict]:
+def _reused_report(stage: StageDir, config, inputs: dict) -> Optional[dict]:
     """The report of a finished eval with this config and these inputs, else None."""
-    if stale_keys(out_dir, "eval", {"config": config, "eval_inputs": inputs}):
+    if stage.reused({"config": config, "eval_inputs": inputs}) is None:
         return None
     try:
-        return read_json(out_dir / REPORT)
+        return read_json(stage.out / REPORT)
     except ManifestError:
         return None
 
@@ -140,34 +128,48 @@ def _log_wandb(cfg: EvalConfig, report: dict, out_dir: Path, plots: dict) -> Opt
 
 
 def run_eval(cfg: EvalConfig, console=None) -> Path:
-    from eagle3.drafter.drafter_io import load_drafter_dir
-    from eagle3.formats.store import HiddenStateStore
-    from eagle3.target_model.target_io import load_embed_tokens, load_target, read_text_config
+    """The eval stage: inputs checked, reuse decided, the drafter judged, the report published."""
     from eval.plots import write_plots
-    from eagle3.real_loop.check import real_vs_simulated
     from eval.summary import print_summary
 
-    out_dir, drafter_dir = Path(cfg.out_dir), Path(cfg.drafter_dir)
-    store_dir = Path(cfg.capture_dir) / cfg.split
+    out_dir, drafter_dir, capture_dir = Path(cfg.out_dir), Path(cfg.drafter_dir), Path(cfg.capture_dir)
+    stage, store_dir = StageDir(out_dir, "eval", EvalInputError), capture_dir / cfg.split
     if not (drafter_dir / "config.json").is_file():
         raise ConfigError(f"no drafter at {drafter_dir} (no config.json): train one first "
                           f"(python train/run.py +init=...) or pass drafter_dir=<a drafter directory>")
     if not (store_dir / MANIFEST).is_file():
         raise ConfigError(f"no {cfg.split} store at {store_dir}: run `make capture-hidden` first")
-    knobs = [SpecKnobs(k.num_steps, k.topk, k.num_draft_tokens) for k in cfg.knobs]
-    inputs = {"capture": fingerprint(Path(cfg.capture_dir)) if (Path(cfg.capture_dir) / MANIFEST).is_file()
-              else fingerprint(store_dir), "drafter_sha256": drafter_checksum(drafter_dir)}
-    config_dict = as_plain_dict(cfg)
-    if not cfg.force and (old := _reusable(out_dir, config_dict, inputs)) is not None:
+    captured = {"capture": capture_dir} if (capture_dir / MANIFEST).is_file() else {}
+    inputs = {"capture": fp.stage_dir(captured.get("capture", store_dir)), "drafter_sha256": fp.drafter_dir(drafter_dir)}
+    if not cfg.force and (old := _reused_report(stage, cfg, inputs)) is not None:
         print(f"eval: reusing {out_dir} (same config, capture and drafter)")
         print_summary(old, console)
         return out_dir
+    resolved = {"device": resolve.device(cfg.device), "image_embeddings": resolve.image_embeddings(cfg.image_embeddings)}
+
+    report = evaluate(cfg, resolved, store_dir, drafter_dir)
+    stage.begin()  # the report and plots are written in place
+    report["plots"] = write_plots(report, out_dir, cfg.train_dir)
+    report["wandb"] = _log_wandb(cfg, report, out_dir, report["plots"])
+    atomic_write_json(out_dir / REPORT, report)
+    stage.publish(cfg, inputs=captured, eval_inputs=inputs, counts={"sequences": report["sequences"]},
+                  summary={label: {n: e[n]["accept_length"] for n in ("drafter", "ngram")}
+                           for label, e in report["accept"].items()}, resolved=resolved)
+    print_summary(report, console)
+    return out_dir
+
+
+def evaluate(cfg: EvalConfig, resolved: dict, store_dir: Path, drafter_dir: Path) -> dict:
+    """The report: accuracy and replayed accept length on the store, the cost model, the real loop."""
+    from eagle3.drafter.drafter_io import load_drafter_dir
+    from eagle3.formats.store import HiddenStateStore
+    from eagle3.target_model.target_io import load_embed_tokens
 
     t0 = time.time()
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device, image_embeddings = resolved["device"], resolved["image_embeddings"]
+    knobs = [SpecKnobs(k.num_steps, k.topk, k.num_draft_tokens) for k in cfg.knobs]
     torch.manual_seed(cfg.seed)
     store = HiddenStateStore(store_dir)
-    image_embeddings = resolve_image_embeddings(cfg.image_embeddings)
     if problem := rows_problem(image_embeddings, store, cfg.image_embeddings):  # a vLLM capture has no fused rows
         raise EvalInputError(problem)
     embed = load_embed_tokens(cfg.target.path, cfg.target.layout)
@@ -179,44 +181,40 @@ def run_eval(cfg: EvalConfig, console=None) -> Path:
                                    progress=cfg.progress, image_embeddings=image_embeddings))
     report["cost"] = cost_section(report, knobs, latencies_from_config(cfg.cost))
     report["best"] = best_setting(report, knobs)
-
     if cfg.real_loop.enabled and cfg.real_loop.num_prompts > 0:
-        prompts = prompts_from_store(store, cfg.real_loop.num_prompts)
-        if store.image_token_id is not None and not store.has_fused_image_rows:
-            report["warnings"].append("real loop on text prompts only: the store holds no fused image rows "
-                                      "(image_rows='none', a vLLM capture), which the target's prefill of an "
-                                      "image prompt reads")
-        if prompts:
-            target, _ = load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype, cfg.target.device_map,
-                                    cfg.target.trust_remote_code)
-            if cfg.target.device_map is None:
-                target.to(device)
-            eos = read_text_config(cfg.target.path, cfg.target.layout).get("eos_token_id") \
-                if cfg.real_loop.stop_at_eos else None
-            images = prompt_images_from_store(store, cfg.real_loop.num_prompts, image_embeddings)
-            report["real_loop"] = real_vs_simulated(target, drafter, prompts, knobs, cfg.real_loop.max_new_tokens, eos,
-                                                    images=images)
-            bad = [k for k, r in report["real_loop"]["knobs"].items() if not r["lossless"]]
-            if bad:
-                report["warnings"].append(f"the real speculative loop was NOT lossless for {bad}: its output differs "
-                                          f"from the target's greedy decode (numerics of the verify pass?)")
-            del target
-        else:
-            report["warnings"].append("real loop skipped: no validation sequence has a prompt before its first "
-                                      "assistant token")
+        _real_loop(cfg, report, store, drafter, knobs, device, image_embeddings)
     report["seconds"] = time.time() - t0
+    return report
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = write_plots(report, out_dir, cfg.train_dir)
-    report["wandb"] = _log_wandb(cfg, report, out_dir, report["plots"])
-    atomic_write_json(out_dir / REPORT, report)
-    manifest_inputs = {"capture": Path(cfg.capture_dir)} if (Path(cfg.capture_dir) / MANIFEST).is_file() else {}
-    write_manifest(out_dir, "eval", cfg, manifest_inputs, eval_inputs=inputs,
-                   counts={"sequences": report["sequences"]},
-                   summary={label: {n: e[n]["accept_length"] for n in ("drafter", "ngram")}
-                            for label, e in report["accept"].items()})
-    print_summary(report, console)
-    return out_dir
+
+def _real_loop(cfg: EvalConfig, report: dict, store, drafter, knobs: list[SpecKnobs], device: str,
+               image_embeddings: str) -> None:
+    """The real speculative loop against the target on the first validation prompts, into `report`."""
+    from eagle3.real_loop.check import real_vs_simulated
+    from eagle3.target_model.target_io import load_target, read_text_config
+
+    prompts = prompts_from_store(store, cfg.real_loop.num_prompts)
+    if store.image_token_id is not None and not store.has_fused_image_rows:
+        report["warnings"].append("real loop on text prompts only: the store holds no fused image rows "
+                                  "(image_rows='none', a vLLM capture), which the target's prefill of an "
+                                  "image prompt reads")
+    if not prompts:
+        report["warnings"].append("real loop skipped: no validation sequence has a prompt before its first "
+                                  "assistant token")
+        return
+    target, _ = load_target(cfg.target.path, cfg.target.layout, cfg.target.dtype, cfg.target.device_map,
+                            cfg.target.trust_remote_code)
+    if cfg.target.device_map is None:
+        target.to(device)
+    eos = read_text_config(cfg.target.path, cfg.target.layout).get("eos_token_id") \
+        if cfg.real_loop.stop_at_eos else None
+    images = prompt_images_from_store(store, cfg.real_loop.num_prompts, image_embeddings)
+    report["real_loop"] = real_vs_simulated(target, drafter, prompts, knobs, cfg.real_loop.max_new_tokens, eos,
+                                            images=images)
+    bad = [k for k, r in report["real_loop"]["knobs"].items() if not r["lossless"]]
+    if bad:
+        report["warnings"].append(f"the real speculative loop was NOT lossless for {bad}: its output differs "
+                                  f"from the target's greedy decode (numerics of the verify pass?)")
 
 
 __all__ = ["run_eval", "EvalInputError"]

@@ -16,9 +16,6 @@ Layout of `out_dir`: the SGLang directory itself (`config.json`, `model.safetens
 """
 from __future__ import annotations
 
-import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +23,8 @@ import torch
 from eagle3.engines import aux_layers
 from eagle3.config.dtypes import torch_dtype
 from eagle3.drafter.image_embeddings import CONFIG_KEY as IMAGE_KEY
-from eagle3.formats.manifest import atomic_write_bytes, stale_keys, write_manifest
+from eagle3.formats.manifest import atomic_write_bytes
+from eagle3.stage_dir import StageDir
 from eagle3.engines.serve_launch import tensor_parallel
 from export.formats import FORMATS, formats_of
 from export.image_convention import serve_paragraph, trained_convention
@@ -45,13 +43,13 @@ def run_export(config) -> Path:
     from eagle3.target_model.target_io import load_embed_tokens
 
     out_dir, ckpt = Path(config.out_dir), Path(config.checkpoint_dir)
-    _recover_interrupted_swap(out_dir)
+    stage = StageDir(out_dir, STAGE, ExportError, whole=True)  # puts back an export an interrupted swap moved aside
     forms = formats_of(config.format)  # the ExportFormat objects (export/formats.py), resolved once
     src = gather_sources(config)       # read and checked once; src.served is the config every format writes
     choice = read_serve_choice(config.eval_dir, config.serve, config.use_eval_report)
     embed_of = {f.name: bool(f.ships_embed and config.speculators_embed) for f in forms}  # the target's, on request
-    if not stale_keys(out_dir, STAGE, {"config": config, "fingerprints": src.fingerprints}) and not any(
-            f.problems(out_dir, src.validate_kw, embed_of[f.name]) for f in forms):
+    if stage.reused({"config": config, "fingerprints": src.fingerprints},
+                    rule=lambda _: not any(f.problems(out_dir, src.validate_kw, embed_of[f.name]) for f in forms)):
         print(f"export: {out_dir} is up to date with its config and inputs (revalidated from disk); reused")
         print((out_dir / "SERVE.md").read_text())
         return out_dir
@@ -81,8 +79,7 @@ def run_export(config) -> Path:
     except DrafterLoadError as e:
         raise ExportError(f"checkpoint {ckpt} cannot be loaded", [str(e)]) from e
     weight_dtype = torch_dtype(config.dtype)
-    tmp = _fresh_tmp_dir(out_dir)
-    try:
+    with stage.staging() as tmp:
         batches = validation_batches(src.store, config.verify_sequences, config.verify_tokens)
         # takes the checkpoint's full-precision logits, then rounds its weights to the export dtype in place:
         # exporting the rounded weights writes exactly what casting the originals would
@@ -112,49 +109,11 @@ def run_export(config) -> Path:
         atomic_write_bytes(tmp / "SERVE.md", serve_md.encode())
         inputs = {role: Path(p) for role, p in (("capture", config.capture_dir), ("eval", config.eval_dir))
                   if (Path(p) / "manifest.json").is_file()}
-        write_manifest(tmp, STAGE, config, inputs=inputs, fingerprints=src.fingerprints,
-                       formats=[f.name for f in forms], serve_choice=choice.as_dict(), facts=facts,
-                       compatibility_warnings=warnings, sglang_command=sg_cmd, vllm_command=vllm_cmd,
-                       hf_indices=src.hf_indices, image_embeddings=images,
-                       aux_ids={"sglang": configs["sglang"][aux_layers.META_KEY],
-                                "vllm": configs["speculators"]["eagle_aux_hidden_state_layer_ids"]})
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        stage.publish_whole(config, tmp, inputs=inputs, fingerprints=src.fingerprints,
+                            formats=[f.name for f in forms], serve_choice=choice.as_dict(), facts=facts,
+                            compatibility_warnings=warnings, sglang_command=sg_cmd, vllm_command=vllm_cmd,
+                            hf_indices=src.hf_indices, image_embeddings=images,
+                            aux_ids={"sglang": configs["sglang"][aux_layers.META_KEY],
+                                     "vllm": configs["speculators"]["eagle_aux_hidden_state_layer_ids"]})
     print(serve_md)
     return out_dir
-
-
-def _recover_interrupted_swap(out_dir: Path) -> None:
-    """An export killed between moving the old directory aside and moving the new one in leaves no
-    out_dir but a `.old-*` one: put it back (it was complete and validated when it was written)."""
-    if out_dir.exists():
-        return
-    olds = sorted(out_dir.parent.glob(f".{out_dir.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if olds:
-        os.replace(olds[-1], out_dir)
-        print(f"export: restored {out_dir} from {olds[-1].name} (an earlier export was interrupted)")
-
-
-def _fresh_tmp_dir(out_dir: Path) -> Path:
-    """A new temp directory beside out_dir (same filesystem, so the final rename is atomic); leftovers
-    of a killed export are removed first."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
-        for stale in out_dir.parent.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()
-    return tmp
-
-
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    """Replace out_dir by tmp: the old directory is moved aside, not deleted, until the new one is in."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

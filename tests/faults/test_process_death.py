@@ -88,7 +88,7 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path, seed):
 def test_death_between_the_two_renames_is_recovered(pipeline, tmp_path, monkeypatch):
     """The export replaces a previous directory in two renames (old aside, new in). Dying between them
     leaves no out_dir: the next run puts the previous, complete export back before anything else."""
-    import export.stage as export_mod
+    import eagle3.stage_dir as stage_dir_mod
     from export.stage import run_export
 
     out = run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang"))
@@ -100,13 +100,12 @@ def test_death_between_the_two_renames_is_recovered(pipeline, tmp_path, monkeypa
             raise KeyboardInterrupt("killed between the renames")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(export_mod.os, "replace", dies_on_second)
+    monkeypatch.setattr(stage_dir_mod.os, "replace", dies_on_second)
     with pytest.raises(KeyboardInterrupt):
         run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang", "dtype=float32"))
-    monkeypatch.setattr(export_mod.os, "replace", real_replace)
+    monkeypatch.setattr(stage_dir_mod.os, "replace", real_replace)
     assert not out.exists() and list(tmp_path.glob(".e.old-*"))
-    from export.stage import _recover_interrupted_swap
-    _recover_interrupted_swap(out)
+    stage_dir_mod.StageDir(out, "export", whole=True)  # what the next export does first
     assert files_of(out) == before                                      # the previous export is back, whole
     run_export(export_config(pipeline, pipeline["final"], tmp_path / "e", "format=sglang", "dtype=float32"))
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
