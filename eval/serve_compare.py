@@ -85,7 +85,7 @@ def _verdict(cause: str, ok: Optional[bool], detail: str) -> dict:
 
 def gap_causes(cfg, drafter, probes: dict, servers: list, records: dict, comparisons: dict,
                think_ids: list[int]) -> list[dict]:
-    """The verdict of each checkable cause of a served-vs-predicted gap (README "Before you serve")."""
+    """The verdict of each checkable cause of a served-vs-predicted gap (docs/bench_serve.md)."""
     from eagle3.drafter.drafter_keys import engine_reading_problems
     from eagle3.drafter.vocab_map import mapping_problems
 

@@ -68,7 +68,7 @@ class CaptureConfig:
     seed: int = 0
     init: Optional[InitConf] = None  # +init=aqmedai_k2: take the aux layer ids from that drafter
     # hf: transformers forward with hooks | vllm: a vLLM engine's extract_hidden_states (data/capture_vllm.py;
-    # README "Capture through vLLM")
+    # docs/engines.md "Capture through vLLM")
     backend: str = "hf"
     vllm: VllmCaptureConf = field(default_factory=VllmCaptureConf)  # the engine of backend=vllm
     stream: StreamConf = field(default_factory=StreamConf)  # online capture into a capped spool

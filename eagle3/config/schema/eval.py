@@ -28,7 +28,7 @@ class KnobConf:
 
 def default_knobs() -> List[KnobConf]:
     """The knob settings measured unless a config names others (eval's `knobs`, the study's `curve.knobs`):
-    the account's setting, AQ-MedAI's published one, and a small tree (the README's table has a column for each)."""
+    the account's setting, AQ-MedAI's published one, and a small tree."""
     return [KnobConf(2, 1, 3), KnobConf(3, 1, 4), KnobConf(3, 2, 6)]
 
 
