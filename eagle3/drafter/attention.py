@@ -82,10 +82,8 @@ class TTTCache:
           memory-efficient kernel: no score matrix is stored, at the price of (k+1)x the attention
           FLOPs of a causal call.
         - "auto": sdpa_mask on CUDA, explicit elsewhere.
-        Both compute the same function (tests/test_ttt.py). benchmarks/bench_ttt_attention.py, one H200,
-        Kimi-K2.5 drafter heads (64 x 128, bf16), 7 steps forward+backward, batch 1:
-        T=2048: explicit 102 ms / 14.0 GiB peak, sdpa_mask 49 ms / 3.8 GiB;
-        T=4096: explicit 350 ms / 51.0 GiB, sdpa_mask 180 ms / 7.9 GiB."""
+        Both compute the same function (tests/test_ttt.py); their time and memory: BENCHMARKS.md,
+        "TTT attention: explicit vs sdpa_mask"."""
         if impl not in self.IMPLS:
             raise ValueError(f"TTTCache impl={impl!r}: expected one of {self.IMPLS}")
         self.impl = impl

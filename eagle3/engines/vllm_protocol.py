@@ -4,48 +4,9 @@ the connector's files, the request / response fields, the layer-id reading). A v
 here; the capture backend (data/capture_vllm.py) and the test stand-in (tests/standins/vllm_standin.py)
 only call these functions.
 
-Read from the source of vLLM 0.34.0 (the PyPI wheel; `vllm/_version.py` commit g62d4bc3c7); vLLM
-itself cannot run on the project's machines, so none of this has been exercised against a real engine:
-- vllm/model_executor/models/deepseek_v2.py, DeepseekV2Model.forward (Kimi-K2.5's text model:
-  kimi_k25.py builds `language_model` as DeepseekV2ForCausalLM and forwards set_aux_hidden_state_layers):
-  before decoder layer `idx` runs, `hidden_states + residual` is appended when idx is listed (h = id,
-  the "vllm" rule of eagle3/engines/aux_layers.py); after the loop, id == num_hidden_layers appends the last
-  layer's output *before* the final norm. States are appended in loop order (ascending id), that last
-  one at the end, whatever order the config lists them in.
-- vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py: the speculator stacks them as
-  [num_tokens, num_ids, hidden] (num_speculative_tokens must be 1, draft_sample_method greedy);
-  vllm/model_executor/models/extract_hidden_states.py caches that in a KV-cache layer of the model dtype.
-- vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py: per finished request
-  one safetensors file `<shared_storage_path>/<request id>.safetensors` with `hidden_states`
-  [T, num_ids, hidden] and `token_ids` int64 [T] (the prompt), written by TP rank 0 from a thread; a
-  companion `<file>.lock` is created with an exclusive flock before the client learns the path and
-  released when the file is complete (`use_synchronization_lock`, default true). The path comes back
-  as `kv_transfer_params["hidden_states_path"]` (RequestOutput in-process; the /v1/completions JSON
-  for `vllm serve`, first choice's request only). Its docstring: MLA verifiers are unsupported where the
-  hidden-state layer is not alone in its KV-cache group (a one-group layout passes).
-- vllm/config/kv_transfer.py (kv_connector, kv_role, kv_connector_extra_config), engine/arg_utils.py
-  (--speculative-config / --kv-transfer-config as JSON).
-- Chunked prefill stays on (vLLM's default). vLLM's example extract_hidden_states.py still says
-  `enable_chunked_prefill=False  # required`, from before vLLM PR #43805, which moved the save out of the
-  per-step path. In 0.34.0 nothing on this path reads enable_chunked_prefill; the model runner calls the
-  speculator's propose() after every step (v1/worker/gpu/model_runner.py 2358-2383), which caches that
-  step's tokens at their slots (v1/worker/gpu/spec_decode/extract_hidden_states.py 133-157); the
-  connector's save_kv_layer is a no-op (example_hidden_states_connector.py 349-358) and the file is cut
-  from all the request's blocks once, when it finishes (request_finished 521-560, get_finished ->
-  _submit_async_write 562-580, 360-399). Turning it off is what 0.34.0 warns against for generate models
-  ("may cause the engine to crash or produce incorrect outputs", engine/arg_utils.py 3092-3099).
-  tests/test_vllm_sources.py runs that bookkeeping over a prefill in chunks.
-- Prefix caching is turned off (`--no-enable-prefix-caching`; vLLM turns it on by default). Chat data
-  shares prefixes everywhere (system prompts, one record cut into several sequences), and in 0.34.0 the
-  hidden-state cache layer (HiddenStateCacheSpec) is managed by FullAttentionManager, so a cached prefix's
-  blocks may be reused for it: NVIDIA ModelOpt's vLLM dump requires it off because "the dumped
-  hidden_states come out short by N*block_size". Not settled against 0.34.0's own scheduler here, so
-  it is off, and every file's length is still checked against the prompt (`ShortStatesFile`).
-- vllm/entrypoints/openai/completion/protocol.py: `prompt` may be a list of token ids; `return_token_ids`
-  echoes them as `choices[0].prompt_token_ids`; `kv_transfer_params` on the response.
+Read from vLLM 0.34.0's source, not run against a real engine: what was read where, and why chunked prefill
+stays on and prefix caching goes off, is in docs/engines.md ("vLLM 0.34.0's extraction protocol, as read").
 Image prompts go through the chat endpoint: eagle3/engines/vllm_images.py holds those facts.
-speculators 0.9.0 (speculators/data_generation/vllm_client.py) drives the same protocol: max_tokens=1,
-return_token_ids, waits on the .lock, reads `hidden_states` / `token_ids`.
 
 Imports only torch, safetensors and the standard library (core code).
 """

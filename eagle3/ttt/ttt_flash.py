@@ -16,8 +16,8 @@ diagonal terms' gradients are elementwise: p_j = e^(s_j - lse), dv_j = p_j dout,
 ds_j = p_j (dout . v_j - D), dq += ds_j k_j scale, dk_j = ds_j q scale.
 
 Kernels for block 0 (`resolve_attention_kernel`): on CUDA (bf16/fp16) "cudnn" =
-`aten._scaled_dot_product_cudnn_attention` (the default on Hopper and newer at head_dim 128: on an H200 at 64 x 128
-heads it runs forward + backward 1.8x faster than flash, benchmarks/probe_attention_kernels.py) or
+`aten._scaled_dot_product_cudnn_attention` (the default on Hopper and newer at head_dim 128, where it is the faster of
+the two: BENCHMARKS.md, "Training step at Kimi-K2 drafter dimensions", the attention kernels alone) or
 "flash" = `aten._scaled_dot_product_flash_attention`, each with its own backward, which both accept
 the merged out / lse; on CPU (any float dtype, used by the tests) the CPU flash kernel. The merge
 math is in fp32 (fp64 stays fp64). Imports only torch (core code).

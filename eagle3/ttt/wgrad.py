@@ -2,8 +2,8 @@
 
 Every TTT step uses the same drafter weights, so each weight's gradient is a sum over the 7 steps.
 Left to autograd, each step's weight-gradient GEMM writes a bf16 tensor, autograd adds the steps'
-tensors in bf16 (six adds over ~0.9 G elements at Kimi-K2 size: 13.6 ms on an H200 at T=8192, each
-add rounding to bf16), then the backward of the fp32 -> bf16 weight cast converts the sum to fp32.
+tensors in bf16 (six adds over ~0.9 G elements at Kimi-K2 size, each rounding to bf16; their time:
+BENCHMARKS.md, "Training step at Kimi-K2 drafter dimensions"), then the backward of the fp32 -> bf16 weight cast converts the sum to fp32.
 Here one fp32 buffer per weight takes every step's `dY^T X` through a GEMM with beta = 1 (cuBLAS
 reads the buffer and adds in fp32: no separate add kernel, no bf16 rounding of a step's gradient
 or of the sum), and the buffers become the parameters' gradients through one autograd node
