@@ -39,7 +39,7 @@ STAGE = "export"
 
 def run_export(config) -> Path:
     """Export `config.checkpoint_dir` to `config.out_dir` (see the module doc); returns out_dir."""
-    from eagle3.drafter.drafter_io import DrafterLoadError, compatibility_mismatches, load_drafter_dir
+    from eagle3.drafter.drafter_io import DrafterLoadError, load_drafter_dir
     from eagle3.target_model.target_io import load_embed_tokens
 
     out_dir, ckpt = Path(config.out_dir), Path(config.checkpoint_dir)
@@ -54,25 +54,8 @@ def run_export(config) -> Path:
         print((out_dir / "SERVE.md").read_text())
         return out_dir
 
-    # every format's config.json (all of them: SERVE.md and the manifest name each engine's ids)
-    configs = {name: form.build_config(src.served, src.drafter_json, hf_indices=src.hf_indices,
-                                       verifier_path=config.target.path,
-                                       verifier_architectures=src.target_architectures,
-                                       speculative_tokens=choice.num_steps) for name, form in FORMATS.items()}
-    try:
-        images, images_from = trained_convention(ckpt, src.drafter_json)
-    except ValueError as e:
-        raise ExportError(f"cannot export {ckpt}", [str(e)]) from e
-    if images is not None:  # both config.json files record it (a key no engine reads: eagle3/drafter/drafter_keys.py)
-        configs["sglang"][IMAGE_KEY] = images
-        configs["speculators"][IMAGE_KEY] = images
-    # the drafter <-> target compatibility check (the one `make check` runs) on the config the export writes
-    found = compatibility_mismatches(src.served, src.target_text_cfg, hf_indices_captured=src.hf_indices)
-    fatal, warnings = [f"compatibility: {m}" for m in found if m.fatal], [str(m) for m in found if not m.fatal]
-    if fatal:
-        raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
-    for w in warnings:
-        print(f"export: warning: {w}")
+    configs, images, images_from = format_configs(config, src, choice, ckpt)
+    warnings = compatibility_warnings(config, src, ckpt)
     embed = load_embed_tokens(config.target.path, config.target.layout).float()
     try:
         reference = load_drafter_dir(ckpt, embed_tokens=embed, dtype=torch.float32)
@@ -117,3 +100,34 @@ def run_export(config) -> Path:
                                      "vllm": configs["speculators"]["eagle_aux_hidden_state_layer_ids"]})
     print(serve_md)
     return out_dir
+
+
+def format_configs(config, src, choice, ckpt: Path) -> tuple[dict, object, str]:
+    """Every format's config.json (all of them: SERVE.md and the manifest name each engine's ids), with the
+    trained image convention recorded in both; and that convention with where it was read."""
+    configs = {name: form.build_config(src.served, src.drafter_json, hf_indices=src.hf_indices,
+                                       verifier_path=config.target.path,
+                                       verifier_architectures=src.target_architectures,
+                                       speculative_tokens=choice.num_steps) for name, form in FORMATS.items()}
+    try:
+        images, images_from = trained_convention(ckpt, src.drafter_json)
+    except ValueError as e:
+        raise ExportError(f"cannot export {ckpt}", [str(e)]) from e
+    if images is not None:  # both config.json files record it (a key no engine reads: eagle3/drafter/drafter_keys.py)
+        configs["sglang"][IMAGE_KEY] = images
+        configs["speculators"][IMAGE_KEY] = images
+    return configs, images, images_from
+
+
+def compatibility_warnings(config, src, ckpt: Path) -> list[str]:
+    """The drafter <-> target compatibility check (the one `make check` runs) on the config the export writes:
+    a fatal mismatch stops the export, the rest are printed and returned."""
+    from eagle3.drafter.drafter_io import compatibility_mismatches
+
+    found = compatibility_mismatches(src.served, src.target_text_cfg, hf_indices_captured=src.hf_indices)
+    fatal, warnings = [f"compatibility: {m}" for m in found if m.fatal], [str(m) for m in found if not m.fatal]
+    if fatal:
+        raise ExportError(f"the drafter {ckpt} does not fit the target {config.target.path}", fatal)
+    for w in warnings:
+        print(f"export: warning: {w}")
+    return warnings
