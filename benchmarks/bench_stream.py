@@ -35,7 +35,7 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
     from eagle3.config.conf import compose, to_schema
     from eagle3.config.schema.train import TrainConfig
     from eagle3.formats.spool import Spool
-    from train.loop import run_train
+    from train.stage import run_train
 
     offline_dir, stream_dir = work / "capture-offline", work / "capture-stream"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

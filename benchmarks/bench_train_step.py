@@ -1,8 +1,8 @@
-"""Time one TTT training step of the drafter, the way train/loop.py runs it (without accelerate):
+"""Time one TTT training step of the drafter, the way train/stage.py runs it (without accelerate):
 the real objective (eagle3.ttt.unroll.TTTObjective: TTT unroll, fp32 teacher from the draft-vocab rows
 of the target head, soft CE, 0.8^k weights), fp32 master weights under bf16 autocast on CUDA,
 frozen bf16 target embeddings, AdamW (fused on CUDA), grad clipping at 0.5 (folded into the fused
-AdamW step as the trainer does it: train/engine.clip_gradients).
+AdamW step as the trainer does it: train/distributed.clip_gradients).
 
 Defaults are the Kimi-K2 / K2.5 drafter (issue 9): hidden 7168, 64 x 128 heads (64 KV heads),
 MLP 18432, draft vocab 32000, target vocab 163840, TTT 7, batch 1, random weights and inputs
@@ -20,7 +20,7 @@ chosen dims) and peak allocated / reserved memory.
     ... --floor   # + the step's compute floor at each (T, share): its GEMMs and causal attention alone,
                   # replayed back to back (step_floor.py), and floor / SpecForge: the highest ratio its math allows
 
-Imports only torch, eagle3 core modules and train/engine.py (runs on the GPU image without hydra/wandb/accelerate).
+Imports only torch, eagle3 core modules and train/distributed.py (runs on the GPU image without hydra/wandb/accelerate).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.ttt.ttt_flash import resolve_attention_kernel
 from eagle3.ttt.unroll import TTTObjective
 from eagle3.ttt import triton_kernels
-from train.engine import clip_gradients, optimizer_step
+from train.distributed import clip_gradients, optimizer_step
 from train.optim import adamw
 
 K2 = dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000, vocab=163840)
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-shapes", action="store_true", help="the profile also lists aten ops by input shape")
     p.add_argument("--store-seq-lens", default="",
                    help="also time the fast step fed from a real hidden-state store at these T (comma-separated): "
-                        "a reader thread into pinned memory + side-stream prefetch, as train/loop.py runs it; "
+                        "a reader thread into pinned memory + side-stream prefetch, as train/stage.py runs it; "
                         "T@share (e.g. 4096@0.65) sets that store's loss share (default --mask-frac) and adds an "
                         "in-memory fast row at the same share")
     p.add_argument("--store-steps", type=int, default=8, help="timed steps per store-fed T (after 2 warm-up steps)")
@@ -145,7 +145,7 @@ def build(dims: dict, ttt: int, device: torch.device, bf16: bool):
     t2d[ids] = True
     drafter.set_vocab_mapping((ids - torch.arange(ids.numel())).to(device), t2d.to(device))
     if bf16:
-        drafter.embed_tokens.to(torch.bfloat16)  # frozen, as train/loop.py keeps it under bf16
+        drafter.embed_tokens.to(torch.bfloat16)  # frozen, as train/stage.py keeps it under bf16
     store_dtype = torch.bfloat16
     rows = (torch.randn(dims["draft_vocab"], dims["hidden"], device=device) * 0.02).to(store_dtype)
     return TTTObjective(drafter, ttt_length=ttt), rows, ids.to(device)
@@ -576,7 +576,7 @@ def main(argv=None) -> list[dict]:
     fused = device.type == "cuda"
     if args.optimizer == "torch-fused" and fused:
         optimizer = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), fused=True)
-    else:  # the trainer's AdamW (train/engine.make_optimizer), weight decay as torch's default
+    else:  # the trainer's AdamW (train/distributed.make_optimizer), weight decay as torch's default
         optimizer = adamw(params, lr=5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=None, device=device)
     n_train = sum(p.numel() for p in params)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "

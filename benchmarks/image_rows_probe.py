@@ -137,7 +137,7 @@ def probe(cfg: TrainConfig, embed: torch.Tensor, store, items: list[int], swap: 
     """Train (reusing a finished run of the same config), load (with the target's `embed` table), and replay
     under every served feed."""
     from eagle3.drafter.drafter_io import load_drafter_dir
-    from train.loop import run_train
+    from train.stage import run_train
 
     t = time.time()
     final = Path(cfg.out_dir) / "final"

@@ -36,7 +36,7 @@ from data.vocab import run_vocab
 from eval.stage import run_eval
 from export.stage import run_export
 from pipeline import image_traffic
-from train.loop import run_train
+from train.stage import run_train
 
 # every stage the orchestrators run: the function its entry script calls, with the same typed config
 RUNNERS: dict[str, Callable] = {"mini_world": run_mini_world, "prepare": run_prepare, "capture": run_capture,

@@ -23,7 +23,7 @@ from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
 from tests.fixtures.train_world import overrides, write_world
 from train.inputs import TrainInputError
-from train.loop import run_train
+from train.stage import run_train
 
 PAD = 511  # the tiny vocab's last id: no toy sequence uses it
 IMAGE_AT = slice(1, 4)

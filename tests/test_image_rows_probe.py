@@ -10,7 +10,7 @@ import torch
 from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.benchmarks import load_benchmark
 from tests.fixtures.train_world import config_for, write_image_world
-from train.loop import run_train
+from train.stage import run_train
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_probe_trains_both_conventions_and_replays_every_feed(finished_run, tmp_
     assert [json.loads(x)["trained"] for x in (tmp_path / "p.jsonl").read_text().splitlines()] == \
         ["fused", "placeholder"]
     # a second call reuses the finished runs: no training
-    monkeypatch.setattr("train.loop.run_train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
+    monkeypatch.setattr("train.stage.run_train", lambda cfg: pytest.fail(f"retrained {cfg.out_dir}"))
     again = bench.main(args)
     assert [x["served"] for x in again] == [x["served"] for x in lines]
     on_train = bench.main([*args, "--split", "train"])  # the training split: 12 image sequences, same drafters

@@ -95,7 +95,7 @@ def folder(module: str) -> str:
 def test_every_project_module_parses():
     """The walk below reads every module; one that does not parse would hide its imports."""
     mods = project_modules()
-    assert {"pipeline.demo", "export.stage", "eval.stage", "train.loop", "data.capture", "tests.test_layout"} <= set(mods)
+    assert {"pipeline.demo", "export.stage", "eval.stage", "train.stage", "data.capture", "tests.test_layout"} <= set(mods)
     for module in mods:
         imports_of(module)
 
@@ -130,10 +130,10 @@ def test_the_walk_sees_an_import_inside_a_function(tmp_path, monkeypatch):
     """A lazy import (inside a function) of another stage's module is found, with its line."""
     fake = tmp_path / "eval" / "lazy.py"
     fake.parent.mkdir()
-    fake.write_text("import json\n\n\ndef f():\n    from train.loop import run_train\n    return run_train\n")
+    fake.write_text("import json\n\n\ndef f():\n    from train.stage import run_train\n    return run_train\n")
     monkeypatch.setitem(project_modules(), "eval.lazy", fake)
     try:
-        assert "eval.lazy imports train.loop (line 5)" in stage_crossings()
+        assert "eval.lazy imports train.stage (line 5)" in stage_crossings()
     finally:
         imports_of.cache_clear()
 

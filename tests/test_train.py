@@ -14,7 +14,7 @@ from eagle3.config.conf import compose, to_schema
 from eagle3.drafter.drafter_io import load_drafter_dir
 from eagle3.config.schema.train import TrainConfig
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401 (fixture)
-from train.loop import run_train
+from train.stage import run_train
 
 
 def test_run_writes_metrics_wandb_offline_and_a_final_drafter(world, tmp_path):
@@ -46,6 +46,9 @@ def test_run_writes_metrics_wandb_offline_and_a_final_drafter(world, tmp_path):
     assert manifest["stage"] == "train" and manifest["steps"] == 24
     assert set(manifest["inputs"]) == {"capture", "vocab"}
     assert manifest["val_end"]["acc"] == val[-1]["acc"]
+    assert manifest["resolved"] == {"device": "cpu", "precision": "no", "unroll": "reference", "compile": False,
+                                    "image_embeddings": "fused", "loader_workers": 0}  # the autos, as the run used them
+    assert not list(out.glob(".*.tmp-*"))  # final/ was staged and published: no staging left
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-000020", "step-000024"]
 
 

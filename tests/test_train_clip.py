@@ -1,9 +1,9 @@
-"""train/engine.clip_gradients: clipping folded into a fused AdamW step (its `grad_scale`) gives the
+"""train/distributed.clip_gradients: clipping folded into a fused AdamW step (its `grad_scale`) gives the
 update of torch's clip_grad_norm_ followed by the step; other optimizers / FSDP keep accelerate's clip."""
 import pytest
 import torch
 
-from train.engine import clip_folds_into_step, clip_gradients, optimizer_step
+from train.distributed import clip_folds_into_step, clip_gradients, optimizer_step
 
 
 class _Accelerator:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from eagle3 import REPO_ROOT
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
 from tests.fixtures.ports import free_port  # noqa: F401 (also used by other tests)
-from train.loop import run_train
+from train.stage import run_train
 
 
 
@@ -23,7 +23,7 @@ from train.loop import run_train
 @pytest.mark.parametrize("unroll,fused", [("auto", False), ("fast", True)])
 def test_two_process_ddp_matches_one_process_with_accumulation(world, tmp_path, unroll, fused):
     """fast: weight gradients handed over by eagle3/ttt/wgrad.py's node; fused: a fused AdamW with the clip
-    folded into its step (train/engine.clip_gradients), clipping every step (grad_clip 0.05)."""
+    folded into its step (train/distributed.clip_gradients), clipping every step (grad_clip 0.05)."""
     common = dict(max_steps=6, epochs="null", checkpoint_every=3, unroll=unroll)
     if fused:
         common.update({"optim.fused": "true", "optim.grad_clip": 0.05})

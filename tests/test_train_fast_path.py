@@ -12,9 +12,9 @@ import torch
 from eagle3.config.conf import ConfigError
 from tests.fixtures.train_world import config_for, world  # noqa: F401  (session fixture)
 from train.batches import BackgroundBatches, BatchStream, collate, make_loader
-from train.loop import run_train
+from train.stage import run_train
 from train.prefetch import DevicePrefetcher
-from train.trainer import use_compile
+from eagle3.config import resolve
 
 
 def _train_rows(out: Path) -> list[dict]:
@@ -40,7 +40,7 @@ def test_fast_unroll_trains_like_the_reference_through_run_train(world, tmp_path
 
 
 def test_clip_folded_into_a_fused_adamw_trains_like_the_separate_clip_through_run_train(world, tmp_path):  # noqa: F811
-    """optim.fused=true on CPU: the trainer hands the clip factor to the fused AdamW (train/engine.clip_gradients);
+    """optim.fused=true on CPU: the trainer hands the clip factor to the fused AdamW (train/distributed.clip_gradients);
     the same run with the foreach AdamW clips in a separate pass through accelerate. Same updates, same norms."""
     runs = {}
     for fused in ("true", "false"):
@@ -70,10 +70,19 @@ def test_schema_rejects_unknown_unroll_compile_and_attention_kernel(world, tmp_p
 
 def test_compile_auto_means_gpu_only(world, tmp_path):  # noqa: F811
     cfg = config_for(world, tmp_path)
-    assert use_compile(cfg, torch.device("cpu")) is False
-    assert use_compile(cfg, torch.device("cuda")) is True
-    assert use_compile(config_for(world, tmp_path, compile="false"), torch.device("cuda")) is False
-    assert use_compile(config_for(world, tmp_path, compile="true"), torch.device("cpu")) is True
+    assert resolve.compile_fast_path(cfg.compile, "cpu") is False
+    assert resolve.compile_fast_path(cfg.compile, "cuda") is True
+    assert resolve.compile_fast_path(config_for(world, tmp_path, compile="false").compile, "cuda") is False
+    assert resolve.compile_fast_path(config_for(world, tmp_path, compile="true").compile, "cpu") is True
+
+
+def test_train_autos_resolve_once_and_the_manifest_records_them(world, tmp_path):  # noqa: F811
+    """On this CPU every auto of a train config takes its CPU value; the run's manifest records what it used."""
+    cfg = config_for(world, tmp_path)
+    got = resolve.train_choices(cfg)
+    assert got == {"device": "cpu", "precision": "no", "unroll": "reference", "compile": False,
+                   "image_embeddings": "fused", "loader_workers": 0}
+    assert resolve.train_choices(config_for(world, tmp_path, unroll="fast", precision="bf16"))["unroll"] == "fast"
 
 
 def _item(i: int, n: int) -> dict:
@@ -140,7 +149,7 @@ def test_make_loader_without_pinning_is_a_dataloader_over_the_same_plan(world): 
 
 
 def test_training_prefers_expandable_cuda_segments_unless_the_environment_chose(monkeypatch):
-    from train.engine import ALLOC_CONF, prefer_expandable_segments
+    from train.distributed import ALLOC_CONF, prefer_expandable_segments
     monkeypatch.delenv(ALLOC_CONF, raising=False)
     prefer_expandable_segments()
     assert os.environ[ALLOC_CONF] == "expandable_segments:True"

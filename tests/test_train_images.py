@@ -16,7 +16,7 @@ from eagle3.formats.store import HiddenStateStore
 from eagle3.ttt.unroll import TTTObjective, ttt_unroll
 from tests.fixtures.train_world import IMAGE_AT, overrides, write_image_world, write_world
 from train.batches import StoreSequences, collate
-from train.loop import run_train
+from train.stage import run_train
 from train.model_setup import init_drafter
 
 @pytest.fixture(scope="module")

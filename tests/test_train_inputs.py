@@ -11,7 +11,7 @@ import eagle3.ttt.unroll_common
 from eagle3.formats.store import HiddenStateWriter
 from tests.fixtures.train_world import config_for, world  # noqa: F401  (fixture)
 from train.inputs import TrainInputError
-from train.loop import run_train
+from train.stage import run_train
 from train.trainer import NonFiniteLossError
 
 

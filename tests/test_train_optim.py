@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.ttt import triton_kernels
-from train.engine import clip_folds_into_step, clip_gradients, optimizer_step
+from train.distributed import clip_folds_into_step, clip_gradients, optimizer_step
 from train.optim import TritonAdamW, adamw
 
 CUDA = torch.cuda.is_available() and triton_kernels.triton_available()
@@ -115,7 +115,7 @@ def test_tensor_subclasses_go_to_torchs_step():
 
 @pytest.mark.skipif(not CUDA, reason="the Triton AdamW kernel runs on CUDA")
 def test_triton_adamw_through_clip_gradients_matches_clip_then_torch_adamw():
-    """train/engine.clip_gradients + optimizer_step with the Triton AdamW = torch's clip, then a plain step."""
+    """train/distributed.clip_gradients + optimizer_step with the Triton AdamW = torch's clip, then a plain step."""
     ps, grads = params_and_grads("cuda", seed=4)
     twin = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt = TritonAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)

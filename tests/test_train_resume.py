@@ -14,7 +14,7 @@ from eagle3 import hooks
 from eagle3.formats.checkpoints import CheckpointError
 from hooked_stage import hooked_command
 from tests.fixtures.train_world import config_for, overrides, rows, world  # noqa: F401  (fixture)
-from train.loop import run_train
+from train.stage import run_train
 
 
 def test_killed_run_resumes_to_the_same_weights(world, tmp_path, capsys):

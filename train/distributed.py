@@ -30,15 +30,8 @@ def prefer_expandable_segments() -> None:
     os.environ.setdefault(ALLOC_CONF, "expandable_segments:True")
 
 
-def mixed_precision(config) -> str:
-    """accelerate's mixed_precision: bf16 autocast on GPU (auto), fp32 ("no") on CPU."""
-    on_gpu = torch.cuda.is_available() and not config.cpu
-    if config.precision == "auto":
-        return "bf16" if on_gpu else "no"
-    return config.precision
-
-
-def make_accelerator(config):
+def make_accelerator(config, precision: str):
+    """The Accelerator of a run; `precision`: its resolved mixed_precision (bf16 | no, eagle3/config/resolve.py)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -53,7 +46,7 @@ def make_accelerator(config):
             state_dict_type="FULL_STATE_DICT", sync_module_states=False, cpu_ram_efficient_loading=False)
     # Buffers (d2t / t2d) never change during training: no per-step broadcast.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=False)
-    return Accelerator(mixed_precision=mixed_precision(config), gradient_accumulation_steps=config.grad_accum,
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
                        cpu=config.cpu, kwargs_handlers=[ddp], **kwargs)
 
 

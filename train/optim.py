@@ -3,7 +3,7 @@
 `TritonAdamW` is torch.optim.AdamW (same hyper-parameters, same state and state_dict: checkpoints move
 freely between the two) whose step on contiguous CUDA fp32 parameters runs one Triton kernel per
 parameter (eagle3/ttt/triton_kernels.adamw_update): it reads the parameter, its gradient and both moments
-once and writes the parameter and the moments. The clip factor `train.engine.clip_gradients` leaves
+once and writes the parameter and the moments. The clip factor `train.distributed.clip_gradients` leaves
 as `grad_scale` divides each gradient as it is read. torch's fused AdamW takes the same factor but
 writes the divided gradients back, 4 more bytes per parameter (at Kimi-K2 size ~4.8 GB per step); its
 multi-tensor kernel also runs below the card's bandwidth here (BENCHMARKS.md: `bench_train_step.py --optimizer`).
@@ -26,7 +26,7 @@ from eagle3.ttt import triton_kernels
 class TritonAdamW(torch.optim.AdamW):
     """torch.optim.AdamW stepped by a Triton kernel on CUDA fp32 parameters (module docstring)."""
 
-    applies_grad_scale = True  # train.engine.clip_folds_into_step: the clip may ride on this step
+    applies_grad_scale = True  # train.distributed.clip_folds_into_step: the clip may ride on this step
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, maximize: bool = False) -> None:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from train.engine import peak_memory
+from train.distributed import peak_memory
 
 
 class StepStats:

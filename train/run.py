@@ -14,7 +14,7 @@ from eagle3.config.schema.train import TrainConfig
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def main(cfg) -> None:
     with stage_errors("train"):
-        from train.loop import run_train
+        from train.stage import run_train
 
         run_train(to_schema(cfg, TrainConfig))
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eagle3.formats.manifest import read_manifest, stale_keys
-from train.engine import make_accelerator, prefer_expandable_segments, uses_fsdp
+from eagle3.config.resolve import train_choices
+from eagle3.stage_dir import StageDir
+from train.distributed import make_accelerator, prefer_expandable_segments, uses_fsdp
+from train.input_errors import TrainInputError
 from train.inputs import open_inputs
 from train.local_producer import local_producer
 from train.trainer import FINAL, Trainer, init_fingerprint
@@ -25,27 +27,22 @@ log = logging.getLogger(__name__)
 
 def run_train(config) -> Path:
     out = Path(config.out_dir)
+    resolved = train_choices(config)  # every auto of this run, once (eagle3/config/resolve.py)
     prefer_expandable_segments()  # before anything touches CUDA
-    accelerator = make_accelerator(config)
+    accelerator = make_accelerator(config, resolved["precision"])
     main = accelerator.is_main_process
     if config.fsdp and not uses_fsdp(accelerator) and main:
         print(f"[train] fsdp=true but accelerate runs {accelerator.distributed_type} here (FSDP needs several "
               f"GPUs): training without sharding")
+    stage = StageDir(out, "train", TrainInputError)
     with local_producer(config, main):  # data.producer=local: the streaming producer, for the run's span
         inputs = open_inputs(config)
         for w in inputs.warnings:
             log.warning(w)
-        if _finished_run_matches(out, config, inputs.fingerprints):
+        # train's own rule: the same init drafter (its weights' fingerprint), beside the input stages'
+        if stage.reused({"config": config, "init_fingerprint": init_fingerprint(config)},
+                        needs=[f"{FINAL}/config.json"], inputs=inputs.fingerprints):
             if main:
                 print(f"[train] {out} already holds a finished run with this config and inputs: reused")
             return out
-        return Trainer(config, accelerator, inputs).run()
-
-
-def _finished_run_matches(out: Path, config, fingerprints: dict) -> bool:
-    if not (out / FINAL / "config.json").is_file() or stale_keys(
-            out, "train", {"config": config, "init_fingerprint": init_fingerprint(config)}):
-        return False
-    # the manifest records each input as {"path", "fingerprint"}: compared on the fingerprints alone
-    recorded = read_manifest(out, "train").get("inputs", {})
-    return {k: v.get("fingerprint") for k, v in recorded.items() if isinstance(v, dict)} == fingerprints
+        return Trainer(config, accelerator, inputs, resolved, stage).run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from eagle3.drafter.image_embeddings import resolve as image_embeddings
 
-__all__ = ["compile_fast_path", "device", "image_embeddings", "loader_workers", "precision", "unroll"]
+__all__ = ["compile_fast_path", "device", "image_embeddings", "loader_workers", "precision", "train_choices", "unroll"]
 
 GPU_LOADER_WORKERS = 4  # reader processes ahead of a GPU; the CPU path reads in the training process
 
@@ -44,3 +44,14 @@ def compile_fast_path(choice, device_type: str) -> bool:
 def loader_workers(n: int, device_type: str) -> int:
     """data.num_workers=-1: GPU_LOADER_WORKERS on GPU, 0 (read in this process) on CPU."""
     return n if n >= 0 else (GPU_LOADER_WORKERS if device_type == "cuda" else 0)
+
+
+def train_choices(config) -> dict:
+    """Every auto of a train config (eagle3.config.schema.train.TrainConfig), resolved: what the run uses and
+    its manifest records under `resolved` (data.order: its schema's resolved_order). The device is the type
+    accelerate will pick (cpu=true forces CPU)."""
+    dev = device("auto", force_cpu=config.cpu)
+    return {"device": dev, "precision": precision(config.precision, dev), "unroll": unroll(config.unroll, dev),
+            "compile": compile_fast_path(config.compile, dev),
+            "image_embeddings": image_embeddings(config.image_embeddings),
+            "loader_workers": loader_workers(config.data.num_workers, dev)}

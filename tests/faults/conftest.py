@@ -19,7 +19,7 @@ def pipeline(tmp_path_factory, tiny_k25_target):
     Read-only by convention: tests that break something copy it first (`copy_tree`)."""
     from export.stage import run_export
     from tests.fixtures.train_world import write_world
-    from train.loop import run_train
+    from train.stage import run_train
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -173,7 +173,7 @@ def test_export_does_not_vouch_on_non_finite_validation_states(pipeline, tmp_pat
 # ------------------------------------------------------------------ train and eval: inconsistent mappings, mismatches
 
 def test_training_refuses_an_inconsistent_vocab_mapping(pipeline, tmp_path):
-    from train.loop import run_train
+    from train.stage import run_train
 
     vocab = copy_tree(pipeline["vocab"], tmp_path / "vocab")
     t = load_file(str(vocab / "vocab.safetensors"))

@@ -66,7 +66,7 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path, seed):
     """SIGKILL right after a seeded random optimizer step (the train.after_step hook), rerun."""
     from hooked_stage import hooked_command
     from tests.fixtures.train_world import overrides
-    from train.loop import run_train
+    from train.stage import run_train
 
     steps, common = 6, dict(max_steps=6, epochs="null", checkpoint_every=2, keep_checkpoints=0)
     ref = run_train(train_config(pipeline, tmp_path / "ref", **common))

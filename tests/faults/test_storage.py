@@ -118,7 +118,7 @@ def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_p
 
 def test_truncated_or_flipped_training_checkpoint_is_refused_on_resume(pipeline, tmp_path):
     from eagle3.formats.checkpoints import CheckpointError
-    from train.loop import run_train
+    from train.stage import run_train
 
     out = copy_tree(pipeline["train_out"], tmp_path / "train")
     for p in ("final", "manifest.json"):                  # make it an unfinished run that must resume
@@ -214,7 +214,7 @@ def test_disk_full_during_a_training_checkpoint_loses_nothing_finished(pipeline,
     with space back resumes from the last complete checkpoint to the uninterrupted run's weights."""
     from safetensors.torch import load_file
     from eagle3.formats.checkpoints import list_checkpoints
-    from train.loop import run_train
+    from train.stage import run_train
 
     ref = run_train(train_config(pipeline, tmp_path / "ref", max_steps=6))
     state = sorted((Path(ref) / "checkpoints").iterdir())[0] / "training_state.pt"
