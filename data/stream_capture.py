@@ -75,11 +75,15 @@ class Producer:
         self.disk_full, self.peak_bytes = int(before.get("disk_full", 0)), int(before.get("peak_bytes", 0))
         self.tokens = sum(e["tokens"] for e in published)
         self.sequences = sum(len(e["ids"]) for e in published)
+        self.prior_s, self.t0 = float(before.get("elapsed_s", 0.0)), time.monotonic()
 
     def status(self, state: str, **extra) -> None:
+        """producer.json: the counts, waits and bytes so far (over restarts: elapsed_s and wait_s carry on)."""
+        extra.setdefault("used_bytes", self.spool.used_bytes())
         self.spool.write_status(state=state, wait_s=round(self.wait_s, 3), pauses=self.pauses,
                                 disk_full=self.disk_full, peak_bytes=self.peak_bytes, cap_bytes=self.marks.cap,
-                                tokens_captured=self.tokens, **extra)
+                                tokens_captured=self.tokens,
+                                elapsed_s=round(self.prior_s + time.monotonic() - self.t0, 3), **extra)
 
     def wait_for_room(self, chunk: int) -> None:
         """Backpressure: hold while the spool is over its watermark (hysteresis), with a heartbeat."""

@@ -23,7 +23,7 @@ from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.capture import capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.train_world import config_for, world  # noqa: F401 (fixture)
 from train.inputs import TrainInputError
-from train.loop import run_train
+from train.stage import run_train
 
 WINDOW, REUSE, CHUNK = 6, 2, 3  # a window is two whole chunks
 
@@ -411,6 +411,25 @@ def test_train_online_starts_its_own_producer_and_trains_the_same_bits(tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert Spool(cap / "spool").end() is not None and (cap / "validation").is_dir()
     assert "[stream] done" in (got / "producer.log").read_text()
+    # observability: each logged step carries the stream's figures (wandb: stream/*), the manifest the last ones
+    logged = [r["stream"] for r in map(json.loads, (got / "metrics.jsonl").read_text().splitlines())
+              if r.get("kind") == "train"]
+    assert logged and all(0 <= f["trainer_idle"] <= 1 and f["spool_gb"] >= 0 for f in logged)
+    assert any(f["capture_tok_s"] for f in logged)
+    end = json.loads((got / "manifest.json").read_text())["stream"]
+    assert end["train_tok_s"] > 0 and end["live_at_end"]["spool_gb"] == 0  # everything freed at the end
+
+
+def test_live_figures_are_rates_and_shares_of_what_the_producer_reported():
+    from train.spool_source import live_figures, live_postfix
+
+    fig = live_figures({"elapsed_s": 10.0, "tokens_captured": 5000, "wait_s": 2.5, "cap_bytes": 4_000_000_000},
+                       used_bytes=1_000_000_000, trainer_wait_s=1.0, trainer_elapsed_s=4.0)
+    assert fig == {"capture_tok_s": 500.0, "producer_idle": 0.25, "spool_gb": 1.0, "spool_pct": 25.0,
+                   "trainer_idle": 0.25}
+    assert live_postfix(fig) == {"cap": "500tok/s", "spool": "1.00GB(25%)", "idle": "25%/25%"}
+    empty = live_figures({}, used_bytes=0, trainer_wait_s=0.0, trainer_elapsed_s=0.0)  # before the producer spoke
+    assert empty["capture_tok_s"] is None and empty["spool_pct"] is None and live_postfix(empty)["idle"] == "-/-"
 
 
 def test_a_local_producer_that_fails_stops_the_trainer_naming_it(tmp_path, world, targets, prepared):  # noqa: F811

@@ -36,6 +36,25 @@ def wait_for_producer(config, ready, what: str) -> None:
     SpoolStore.waiter(spool_root(config), d.stream_timeout_s, d.stream_status_s)._wait_for(ready, what)
 
 
+def live_figures(producer: dict, used_bytes: int, trainer_wait_s: float, trainer_elapsed_s: float) -> dict:
+    """What the progress bar, wandb and the manifest show of a stream: the producer's capture rate and idle
+    share (time paused by backpressure, over its whole life), the spool's occupancy against its cap, and the
+    trainer's idle share (time starved, in this process)."""
+    p_elapsed, cap = float(producer.get("elapsed_s") or 0.0), int(producer.get("cap_bytes") or 0)
+    return {"capture_tok_s": round(producer.get("tokens_captured", 0) / p_elapsed, 1) if p_elapsed else None,
+            "producer_idle": round(producer.get("wait_s", 0.0) / p_elapsed, 4) if p_elapsed else None,
+            "spool_gb": round(used_bytes / 1e9, 4), "spool_pct": round(100 * used_bytes / cap, 2) if cap else None,
+            "trainer_idle": round(trainer_wait_s / trainer_elapsed_s, 4) if trainer_elapsed_s > 0 else None}
+
+
+def live_postfix(fig: dict) -> dict:
+    """The progress bar's short form of `live_figures`."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    return {"cap": "-" if fig["capture_tok_s"] is None else f"{fig['capture_tok_s']:,.0f}tok/s",
+            "spool": f"{fig['spool_gb']:.2f}GB" + ("" if fig["spool_pct"] is None else f"({fig['spool_pct']:.0f}%)"),
+            "idle": f"{pct(fig['producer_idle'])}/{pct(fig['trainer_idle'])}"}
+
+
 class SpoolStore:
     """The train split as a producer streams it: the store header (from plan.json) and `store[p]` for
     stream position p, waiting for the chunk that holds it. `lengths` are the planned ones (before skips):
@@ -181,6 +200,9 @@ class SpoolStore:
 
     def reclaim(self, world_size: int) -> int:
         return self.spool.reclaim(world_size)
+
+    def live(self, trainer_elapsed_s: float) -> dict:
+        return live_figures(self.spool.status() or {}, self.spool.used_bytes(), self.wait_s, trainer_elapsed_s)
 
     def summary(self) -> dict:
         status = self.spool.status() or {}

@@ -17,8 +17,6 @@ point `train.after_step` (eagle3/hooks.py; nothing is installed outside tests).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,19 +28,20 @@ from accelerate.utils import gather_object
 from eagle3 import hooks
 from eagle3.config.conf import as_plain_dict
 from eagle3.errors import StageError
-from eagle3.drafter.image_embeddings import resolve as resolve_image_embeddings, rows_problem
-from eagle3.formats.manifest import MANIFEST, sha256_file, write_manifest
+from eagle3 import fingerprints as fp
+from eagle3.drafter.image_embeddings import rows_problem
+from eagle3.formats.manifest import MANIFEST
 from eagle3.ttt.unroll import TTTObjective, step_position_counts
 from train import checkpointing as ckpt
 from train.batches import BatchStream, WindowedStream, make_loader
-from train.engine import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
-                          make_optimizer, make_scheduler, mixed_precision, optimizer_name, optimizer_step, uses_fsdp)
+from train.distributed import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
+                               make_optimizer, make_scheduler, optimizer_name, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError
 from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
 from train.prefetch import DevicePrefetcher
 from train.progress import StepStats, progress_bar
-from train.spool_source import SpoolStore, StoreWindows, make_stream, planned_stream
+from train.spool_source import SpoolStore, StoreWindows, live_postfix, make_stream, planned_stream
 from train.validate import run_validation, simulated_accept_length
 
 log = logging.getLogger(__name__)
@@ -71,15 +70,16 @@ class RunCounters:
 
 
 class Trainer:
-    """A run set up to start or to resume (by `train/loop.py` `run_train`, after its reuse check);
-    `run()` trains to the last step and writes `final/`."""
+    """A run set up to start or to resume (by `train/stage.py` `run_train`, after its reuse check);
+    `run()` trains to the last step and publishes `final/` through `stage` (eagle3/stage_dir.py).
+    `resolved`: the config's autos, resolved once (eagle3/config/resolve.py train_choices)."""
 
-    def __init__(self, config, accelerator, inputs):
-        self.config, self.acc, self.inputs = config, accelerator, inputs
+    def __init__(self, config, accelerator, inputs, resolved: dict, stage):
+        self.config, self.acc, self.inputs, self.resolved, self.stage = config, accelerator, inputs, resolved, stage
         self.out = Path(config.out_dir)
         self.main, self.fsdp, self.device = accelerator.is_main_process, uses_fsdp(accelerator), accelerator.device
         self.t_start = time.time()
-        self.image_embeddings = resolve_image_embeddings(config.image_embeddings)  # what image rows feed the drafter
+        self.image_embeddings = resolved["image_embeddings"]  # what image rows feed the drafter
         for store in (inputs.train, inputs.val):  # fused needs the stores' fused rows (a vLLM capture has none)
             if store is not None and (problem := rows_problem(self.image_embeddings, store, config.image_embeddings)):
                 raise TrainInputError(problem)
@@ -92,11 +92,11 @@ class Trainer:
             drafter_from_state(self.drafter, resume["model"])
         torch.manual_seed(config.seed + 1000 * accelerator.process_index)
         self.lm_head_rows = self.report.pop("lm_head_rows").to(self.device)
-        if mixed_precision(config) == "bf16" and not self.fsdp:
+        if resolved["precision"] == "bf16" and not self.fsdp:
             self.drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
         self.objective = accelerator.prepare(TTTObjective(
-            self.drafter, config.ttt_length, config.step_decay, impl=config.unroll,
-            compile=use_compile(config, self.device), attention_kernel=config.attention_kernel,
+            self.drafter, config.ttt_length, config.step_decay, impl=resolved["unroll"],
+            compile=resolved["compile"], attention_kernel=config.attention_kernel,
             image_embeddings=self.image_embeddings, image_token_id=inputs.train.image_token_id))
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
         self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
@@ -138,7 +138,7 @@ class Trainer:
         try:
             if self.main:
                 print(f"[train] init={self.config.init.name} on {self.acc.num_processes} process(es), {self.device}, "
-                      f"precision={mixed_precision(self.config)}, {_wrapper_name(self.acc)}; "
+                      f"precision={self.resolved['precision']}, {_wrapper_name(self.acc)}; "
                       f"{len(self.inputs.train):,} train sequences, {self.per_epoch} steps/epoch, {self.total} steps "
                       f"(warmup {self.warmup})" + (f"; resumed at step {c.step}" if self.resumed else ""))
             if not self.resumed:
@@ -172,8 +172,12 @@ class Trainer:
         if c.step % cfg.log_every == 0 or last:
             row = self.stats.summary(self.acc, lr=self.scheduler.get_last_lr()[0],
                                      epoch=c.position / max(1, self.epoch_batches))
+            live = self.spool.live(time.time() - self.t_start) if self.spool is not None and self.main else None
+            if live is not None:  # capture tok/s, spool occupancy, both sides' idle share (wandb: stream/*)
+                row["stream"] = live
             self.metrics.log(c.step, row)
-            bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}")
+            bar.set_postfix(loss=f"{row['loss_weighted']:.3f}", acc0=f"{row['acc'][0]:.3f}",
+                            tok_s=f"{row['tokens_per_s']:,.0f}", **(live_postfix(live) if live else {}))
         t_aside = time.perf_counter()
         if (cfg.val_every and c.step % cfg.val_every == 0) or last:
             c.val_last = self.validate(c.step)  # before the checkpoint, which records it
@@ -187,9 +191,9 @@ class Trainer:
         """This rank's batches from its current position; on GPU a reader thread fills pinned memory
         and a side stream copies ahead."""
         cfg = self.config
-        workers = cfg.data.num_workers if cfg.data.num_workers >= 0 else (4 if self.device.type == "cuda" else 0)
         return DevicePrefetcher(make_loader(self.items, self.stream, self.counters.position, cfg.data.max_length,
-                                            workers, pin_memory=self.device.type == "cuda"), self.device)
+                                            self.resolved["loader_workers"], pin_memory=self.device.type == "cuda"),
+                                self.device)
 
     def step(self, loader: DevicePrefetcher) -> bool:
         """One optimizer step over `grad_accum` micro-batches (one on the device at a time). False
@@ -293,41 +297,45 @@ class Trainer:
             self.spool.reclaim(self.acc.num_processes)
 
     def finish(self) -> None:
-        """`final/` (written aside, then renamed) and the stage manifest; rank 0 writes, every rank
-        takes part in gathering the weights."""
+        """`final/` (staged, then published with the stage manifest); rank 0 writes, every rank takes part
+        in gathering the weights."""
         model_state = full_model_state(self.acc, self.objective)
         self._release(everything=True)  # the last checkpoint is written: nothing of the stream is needed again
         if not self.main:
             return
-        cfg, c, out, seconds = self.config, self.counters, self.out, self._elapsed()
-        tmp = out / f".tmp-{FINAL}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_drafter_dir(self.drafter, model_state, tmp, self.image_embeddings)
-        ckpt.write_file_index(tmp, c.step)  # the export verifies final/ against it
-        if (out / FINAL).exists():
-            shutil.rmtree(out / FINAL)
-        os.rename(tmp, out / FINAL)
+        c, out, seconds = self.counters, self.out, self._elapsed()
+        with self.stage.staging() as tmp:
+            write_drafter_dir(self.drafter, model_state, tmp / FINAL, self.image_embeddings)
+            ckpt.write_file_index(tmp / FINAL, c.step)  # the export verifies final/ against it
+            self._publish(tmp, seconds)
+        print(f"[train] done: {c.step} steps, {c.tokens_seen:,} tokens in {seconds:.1f}s; final drafter {out / FINAL}")
+
+    def _publish(self, tmp: Path, seconds: float) -> None:
+        """final/ swapped in from `tmp`, then the stage manifest."""
+        cfg, c, out = self.config, self.counters, self.out
         train = self.inputs.train
         summary = {"steps": c.step, "total_steps": self.total, "tokens_seen": c.tokens_seen,
                    "nonfinite_skips": c.nonfinite_skips, "wall_s": round(seconds, 2), "val_start": c.val_start,
                    "val_end": c.val_last, "padding_efficiency": stream_padding_efficiency(self.items.lengths, self.sizing),
                    "truncated_sequences": sum(1 for n in train.lengths if n > cfg.data.max_length),
-                   "numerics": {"unroll": cfg.unroll if cfg.unroll != "auto" else
-                                ("fast" if self.device.type == "cuda" else "reference"),
-                                "compile": use_compile(cfg, self.device), "optimizer": optimizer_name(self.optimizer),
-                                "mixed_precision": mixed_precision(cfg), "device": str(self.device)},
+                   "numerics": {"unroll": self.resolved["unroll"], "compile": self.resolved["compile"],
+                                "optimizer": optimizer_name(self.optimizer),
+                                "mixed_precision": self.resolved["precision"], "device": str(self.device)},
                    "data_order": {"source": cfg.data.source, "order": cfg.data.resolved_order(),
                                   **({"window_sequences": cfg.data.window_sequences, "reuse": cfg.data.reuse,
                                       "stream_ended_at_step": self.stream_ended_at}
                                      if isinstance(self.stream, WindowedStream) else {})},
                    **({"stream": {**self.spool.summary(), "tokens_trained": c.tokens_seen,
-                                  "reuse_per_sequence": cfg.data.reuse}} if self.spool is not None else {})}
+                                  "reuse_per_sequence": cfg.data.reuse,
+                                  "train_tok_s": round(c.tokens_seen / max(seconds, 1e-9), 1),
+                                  "live_at_end": self.spool.live(time.time() - self.t_start)}}
+                      if self.spool is not None else {})}
         self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
-        write_manifest(out, "train", cfg, inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},
-                       init_fingerprint=init_fingerprint(cfg), init_report=self.report, final=str(out / FINAL),
-                       wandb_dir=self.metrics.wandb_dir, hf_indices=train.hf_indices,
-                       aux_layers=train.manifest.get("aux_provenance"), **summary)
-        print(f"[train] done: {c.step} steps, {c.tokens_seen:,} tokens in {seconds:.1f}s; final drafter {out / FINAL}")
+        self.stage.publish(cfg, staged=tmp, members=[FINAL],
+                           inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},
+                           init_fingerprint=init_fingerprint(cfg), init_report=self.report, final=str(out / FINAL),
+                           wandb_dir=self.metrics.wandb_dir, hf_indices=train.hf_indices,
+                           aux_layers=train.manifest.get("aux_provenance"), **summary, resolved=self.resolved)
 
     def _elapsed(self) -> float:
         return self.counters.prior_s + time.time() - self.t_start
@@ -355,18 +363,12 @@ def total_steps(config, stream) -> tuple[int, int]:
 
 
 def init_fingerprint(config) -> Optional[str]:
-    """sha256 of the init drafter's weights (None for scratch): a finished run is reused only for the same init."""
+    """The init drafter's weights (eagle3/fingerprints.py; None for scratch): a finished run is reused only for
+    the same init."""
     path = config.init.drafter_path
     if config.init.name == "scratch" or not path:
         return None
-    f = Path(path) / "model.safetensors"
-    return sha256_file(f) if f.is_file() else None
-
-
-def use_compile(config, device: torch.device) -> bool:
-    """compile=auto: on GPU only (Inductor's CPU compile takes minutes and the CPU path is small)."""
-    choice = str(config.compile).lower()
-    return device.type == "cuda" if choice == "auto" else choice == "true"
+    return fp.drafter_weights(Path(path))
 
 
 def _wrapper_name(accelerator) -> str:
