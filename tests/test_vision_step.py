@@ -162,3 +162,36 @@ def test_tower_lr_scale_zero_keeps_the_tower_as_drawn_and_trains_the_rest(seeing
     assert eyes.vision_lr_scale("model.vision_tower.encoder.blocks.0.wqkv.weight", c) == 0.5
     assert eyes.vision_lr_scale("model.mm_projector.out_proj.weight", c) == 2.0
     assert eyes.vision_lr_scale("model.language_model.layers.0.mlp.gate_proj.weight", c) == 1.0
+
+
+def test_the_cpu_default_is_the_frozen_recipe_and_leaves_the_tower_as_drawn(seeing_setup, tmp_path):
+    """conf/mini_world.yaml's eyes (issue 44): the tower frozen over 2000 joint steps; the gpu and ci presets pin
+    their own trained-tower recipes. The default's own vision settings, through train_seeing (2 of its steps),
+    leave every tower weight as drawn."""
+    from dataclasses import replace
+
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.demo import DemoConfig
+    from eagle3.config.schema.mini_world import MiniWorldConfig
+
+    def world(*o):
+        return to_schema(compose("mini_world", [f"paths.root={tmp_path}", *o]), MiniWorldConfig).vision
+
+    default = world()
+    assert default.tower_lr_scale == 0 and default.train.steps == 2000
+    for size, steps in (("gpu", 500), ("ci", 10)):
+        preset = to_schema(compose("demo", [f"paths.root={tmp_path}", f"demo_size={size}"]), DemoConfig)
+        pinned = world(*preset.overrides.mini_world)
+        assert pinned.tower_lr_scale == 1.0 and pinned.train.steps == steps
+
+    tok, wrapper, pool, blocks = seeing_setup
+    start = copy.deepcopy(wrapper)
+    eyes.calm_position_table(start)  # train_seeing calms the tower's position table first
+    before = {k: v.clone() for k, v in start.model.vision_tower.state_dict().items()}
+    model = copy.deepcopy(wrapper)
+    conf = replace(default, train=replace(default.train, steps=2, batch_size=4, warmup_steps=1))
+    eyes.train_seeing(model, tok, pool, blocks, conf, seed=3, device=torch.device("cpu"))
+    after = model.model.vision_tower.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert not torch.equal(model.model.mm_projector.state_dict()[next(iter(model.model.mm_projector.state_dict()))],
+                           start.model.mm_projector.state_dict()[next(iter(start.model.mm_projector.state_dict()))])
