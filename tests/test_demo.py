@@ -20,6 +20,10 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     names = [row["drafter"] for row in report["rows"]][:3]
     assert names == ["k2_zero_shot", "scratch", "aqmedai_k2"] and report["rows"][3]["drafter"].startswith("ngram")
     assert report["lossless"] is True
+    for side in ("k2", "k25"):  # issue 44: each side's prepared traffic measured
+        f = report["traffic"][side]
+        assert 0 < f["distinct"] <= f["loss_tokens"] and 0 < f["top5_share"] <= 1
+    assert "Traffic (prepared loss tokens), k25:" in (Path(out) / "report.md").read_text()
     for row in report["rows"]:
         for key, value in row.items():
             if key.startswith(("sim ", "real ")) and value == value:  # not NaN

@@ -88,6 +88,11 @@ def test_tiny_world_report_and_training_happened(tiny_world):
     by_kind = r["vision"]["held_out_answers"]["by_kind"]
     assert set(by_kind) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in by_kind.values())
     assert "exactly right, by question: caption" in format_report(r)
+    for side, model in (("k2_mini", "k2-mini"), ("k25_mini", "k25-mini")):  # issue 44's figures of the source
+        f = r["traffic"][side]
+        assert 0 < f["distinct"] <= f["loss_tokens"] and 0 < f["top5_share"] <= 1 and 0 <= f["repeat_4gram_share"] < 1
+        assert f["ppl"] == r["perplexity"][model][side]["ppl"]
+    assert "held-out source traffic, k2_mini:" in format_report(r)
     assert 0 < r["token_shift"]["total_variation"] < 1
     assert set(r["times_s"]) >= {"tokenizer", "k2-mini", "k25-mini", "perplexity", "total"}
     m = read_manifest(out, "mini_world")

@@ -35,6 +35,7 @@ from data.corpus import ReadStats, iter_raw_records, sharegpt_package_path
 from data.mini_world import checkpoints as ck
 from data.mini_world.lm import encode_until, pack_blocks, perplexity, resolve_device, train_lm, unigram_perplexity
 from data.mini_world.split import CODE, PROSE, split_conversations
+from data.mini_world import traffic
 from data.mini_world import vision as eyes
 from data.mini_world.tokenizer import IM_END, add_media_tokens_to, special_token_ids
 
@@ -250,6 +251,10 @@ def run_mini_world(cfg: MiniWorldConfig) -> Path:
                    for n, m in (("k2-mini", k2), ("k25-mini", k25))},
         "vision": {"image_size": cfg.vision.image_size, "corpus_image_conversations": len(k25_images),
                    "vision_params": seeing.pop("vision_params"), "held_out_answers": seeing},
+        # the source's held-out conversations per side, scored by that side's own model: what its traffic would
+        # look like if the target wrote like its data (issue 44); the demo measures the regenerated traffic
+        "traffic": {TARGET_NAMES[k]: {**traffic.traffic_figures(enc[k]["eval"]), "ppl": ppl[n][TARGET_NAMES[k]]["ppl"]}
+                    for k, n in ((PROSE, "k2-mini"), (CODE, "k25-mini"))},
         "perplexity": ppl, "unigram_perplexity": unigram, "torch_threads": threads, "device": str(device),
         "times_s": {k: round(v, 1) for k, v in stages.times.items()},
         "weights": weights, "determinism": {"ops": nondeterministic, "note": deterministic_ops_note(nondeterministic)},
@@ -376,6 +381,8 @@ def format_report(r: dict) -> str:
     for n in names:
         lines.append(f"  {n:<21} " + "".join(f"{r['perplexity'][n][d]['ppl']:>12.2f}" for d in dists))
     lines.append(f"  {'unigram baseline':<21} " + "".join(f"{r['unigram_perplexity'][d]:>12.2f}" for d in dists))
+    for side, f in r.get("traffic", {}).items():  # (worlds built before issue 44 have none)
+        lines.append("  held-out source traffic, " + traffic.format_figures(side, f))
     if "vision" in r:
         h = r["vision"]["held_out_answers"]
         lines.append(f"  k25-mini sees {r['vision']['image_size']}px images ({r['vision']['vision_params'] / 1e6:.3f}M "
