@@ -19,6 +19,7 @@ from data.image_messages import conversation_images, has_images, images_kept
 from data.template_encoder import Encoded, TemplateEncoder
 from eagle3.target_model.images import media_pad_count
 from eagle3 import fingerprints as fp
+from eagle3.config.choices import SPLITS
 from eagle3.world import TokenHash, combine, deterministic_algorithms, deterministic_ops_note, world_fingerprint
 
 __all__ = ["ROLE_MAP", "SKIP_REASONS", "Conversation", "Encoded", "PrepareError", "ReadInfo", "Skip", "SkipCounter",
@@ -38,7 +39,6 @@ def is_validation(conv_id: str, fraction: float, salt: str) -> bool:
 # The stage: read -> validate -> (regenerate) -> encode -> split -> write
 # ----------------------------------------------------------------------------------------------
 
-SPLITS = ("train", "validation")
 FEATURES_SPEC = {"id": "string", "input_ids": "int32", "loss_mask": "uint8", "prompt_len": "int32"}
 # An image conversation's images, in LM order (empty lists for text): the encoded bytes as read, and
 # image_grid_thw flattened (3 per image); pixel_values follow from both by eagle3/target_model/images.py's rule.

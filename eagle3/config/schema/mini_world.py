@@ -109,13 +109,11 @@ class MiniVisionConf:
     corpus_every: int = 4  # every N-th record of corpus/k25_mini.jsonl is an image conversation
     max_turns: int = 2  # questions per image conversation: 1..max_turns
     vision_lr_scale: float = 1.0  # the new tower + projector's learning rate, x train.lr (the LM's)
-    tower_lr_scale: float = 1.0  # the tower's alone, x that (0: the tower stays as drawn). Training the tower erases
-    # the colour its random rows carry; frozen (0) over 2000 steps the CPU world reads every fact, a candidate
-    # default not yet switched (BENCHMARKS.md, "Why colour is not read")
-    # 1000 joint steps on 2 CPU cores: k25-mini then counts and names the shapes of held-out scenes (60 steps
-    # left it blind: one caption for every image); colours and text it does not read at this size (BENCHMARKS.md,
-    # "A CPU world that sees")
-    train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=1000, lr=2e-3, warmup_steps=100,
+    tower_lr_scale: float = 0.0  # the tower's alone, x that (0: the tower stays as drawn). Training the tower erases
+    # the colour its random rows carry; frozen (0) over 2000 joint steps the CPU world reads every fact (count and
+    # shape 1.00, colour 0.75, text 0.67: BENCHMARKS.md, "Why colour is not read"); the GPU and ci presets pin
+    # their own trained-tower recipes (conf/demo_size/*.yaml)
+    train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=2000, lr=2e-3, warmup_steps=100,
                                                                        batch_size=16, seq_len=128))
 
     def validate(self) -> None:
