@@ -4,11 +4,7 @@
 # call picks up where the 540 s limit cut the first. Needs .whl/ (the wheels the GPU image lacks) and
 # .data_carry/sharegpt.json.xz carried; logs and reports go to $OUT.
 set -uo pipefail
-OUT=${OUT:-runs/gpu-out}; mkdir -p "$OUT" runs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-[ -f runs/sharegpt.json ] || xz -dc .data_carry/sharegpt.json.xz > runs/sharegpt.json
-nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/gpu.txt"
+source "$(dirname "$0")/device_setup.sh"  # wheels, ShareGPT, $OUT, the GPU name
 LIMIT=${LIMIT:-540}
 timeout "$LIMIT" python3 pipeline/run_demo.py demo_size=gpu paths.root=$PWD/runs/gpu \
     +mini_world.source=$PWD/runs/sharegpt.json +eval.real_loop.num_prompts=4 2>&1 | tee -a "$OUT/demo.log"

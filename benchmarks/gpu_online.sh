@@ -6,11 +6,7 @@
 #   PHASE=bench  benchmarks/bench_stream.py at that world's size: producer alone, trainer alone, both together
 # Needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
 set -uo pipefail
-OUT=${OUT:-runs/gpu-out}; mkdir -p "$OUT" runs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-[ -f runs/sharegpt.json ] || xz -dc .data_carry/sharegpt.json.xz > runs/sharegpt.json
-nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/gpu.txt"
+source "$(dirname "$0")/device_setup.sh"  # wheels, ShareGPT, $OUT, the GPU name
 ROOT=$PWD/runs/gpu
 WORLD=(demo_size=gpu "paths.root=$ROOT" "+mini_world.source=$PWD/runs/sharegpt.json" wandb.mode=disabled)
 LIMIT=${LIMIT:-540}; W=${W:-128}; BUDGET=${BUDGET:-500}
