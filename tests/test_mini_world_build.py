@@ -215,13 +215,14 @@ def test_seeing_recipe_benchmark_trains_a_fresh_tower_and_scores_every_kind(tiny
     _, out = tiny_world
     args = ["--world", str(out), "--steps", "2", "--freeze-lm", "1", "--batch", "2", "--pool", "6", "--scenes", "2",
             "--tower-hidden", "16", "--tower-intermediate", "32", "--json", str(tmp_path / "r.jsonl")]
-    got = bench.main([*args, "--tag", "a"])
+    got = bench.main([*args, "--tag", "a", "--tower-lr-scale", "1"])  # the world's own scale is 0 (a frozen tower)
     assert set(got["by_kind"]) == set(scenes.QUESTIONS) and all(0 <= v <= 1 for v in got["by_kind"].values())
     assert 0 < got["final_image_loss"] and got["first_image_loss"] > 0 and got["caption_distinct"] >= 1
     with_text = bench.main([*args, "--tag", "b", "--kinds", "colour", "--text-blocks", "1", "--text-weight", "0.5"])
     assert with_text["args"]["weight_decay"] == MiniVisionConf().train.weight_decay  # the world's own
     assert with_text["first_text_loss"] > 1 and with_text["final_text_loss"] > 1  # the corpus text blocks trained too
-    assert got["tower_moved"] > 0  # the tower trained
+    assert got["tower_moved"] > 0  # the tower trained at --tower-lr-scale 1
+    assert with_text["args"]["tower_lr_scale"] == MiniVisionConf().tower_lr_scale and with_text["tower_moved"] == 0
     frozen = bench.main([*args, "--tag", "c", "--freeze-tower", "--linear-probe", "16"])
     assert frozen["tower_moved"] == 0  # not one tower weight touched (the projector and the LM train)
     probe = frozen["linear_probe"]
