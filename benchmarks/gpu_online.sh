@@ -4,6 +4,8 @@
 #   PHASE=ab     the learning A/B: offline K epochs against windows of W sequences each trained K times (what a
 #                stream trains), K chosen so that both arms see about the world's usual 500 steps
 #   PHASE=bench  benchmarks/bench_stream.py at that world's size: producer alone, trainer alone, both together
+#   PHASE=quick  one call: the GPU world's shapes with its targets and the K2 drafter trained a few steps only
+#                (throughput does not depend on the weights), then PHASE=bench with REUSE (default 8) passes
 # Needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"  # wheels, ShareGPT, $OUT, the GPU name
@@ -35,7 +37,35 @@ print(json.dumps({"per_epoch": per_epoch, "k": k, "epochs_steps": k * per_epoch,
 EOF
 }
 
+# the world of PHASE=world with every training cut to a few steps (the cut keys replace the size's own)
+quick_world() {
+  timeout "$LIMIT" python3 - "${WORLD[@]}" train_steps=20 <<'EOF' 2>&1 | tee -a "$OUT/world.log"
+import sys
+from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.learning_ab import LearningABConfig
+from pipeline.demo import build_experiment, stage_log
+cfg = to_schema(compose("learning_ab", sys.argv[1:]), LearningABConfig)
+cut = {"k2_train.steps": 30, "k25_train.steps": 30, "vision.train.steps": 10}
+cfg.overrides.mini_world = [o for o in cfg.overrides.mini_world if o.split("=")[0] not in cut] + [
+    f"{k}={v}" for k, v in cut.items()]
+build_experiment(cfg, stage_log(cfg, "learning-ab"), cfg.world_seed)
+EOF
+}
+
+bench() {
+  timeout "$LIMIT" python3 benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
+      --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$1" --chunk "${CHUNK:-32}" --warm-trainer \
+      --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 target.device_map=cuda \
+      --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
+          optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
+      2>&1 | tee -a "$OUT/bench.log"
+  cp /tmp/bench_stream/*.log "$OUT/" 2>/dev/null
+}
+
 case "${PHASE:-world}" in
+quick)
+  T0=$(date +%s); quick_world || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); echo "bench limit ${LIMIT}s"
+  bench "${REUSE:-8}" ;;
 world)
   timeout "$LIMIT" python3 - "${WORLD[@]}" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
 import sys
@@ -56,12 +86,5 @@ ab)
       2>&1 | tee -a "$OUT/ab.log"
   tar czf "$OUT/ab_report.tgz" -C "$ROOT" learning_ab_online 2>/dev/null ;;
 bench)
-  K=$(plan | python3 -c "import json,sys;print(json.load(sys.stdin)['k'])")
-  timeout "$LIMIT" python3 benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
-      --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$K" --chunk "${CHUNK:-32}" --warm-trainer \
-      --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 target.device_map=cuda \
-      --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
-          optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
-      2>&1 | tee -a "$OUT/bench.log"
-  cp /tmp/bench_stream/*.log "$OUT/" 2>/dev/null ;;
+  bench "$(plan | python3 -c "import json,sys;print(json.load(sys.stdin)['k'])")" ;;
 esac
