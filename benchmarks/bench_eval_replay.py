@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.dtypes import torch_dtype
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.formats.store import HiddenStateStore, HiddenStateWriter

@@ -35,7 +35,7 @@ from eagle3.config.schema.train import TrainConfig
 from eagle3.drafter.image_embeddings import CONVENTIONS
 from eagle3.drafter.vocab_map import draft_index_from_t2d
 from eagle3.formats.manifest import read_manifest
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.evaluate import evaluate_drafter, sequence_embeds, traffic_of
 from eagle3.drafter.attention import TTTCache, ttt_position_ids
 from eagle3.ttt.loss import loss_positions, shift_left

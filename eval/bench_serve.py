@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from eagle3.engines import aux_layers
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import ConfigError
 from eagle3.replay.cost_fit import CostFitError, fit_cycle_costs
 from eagle3.replay.cost_presets import MEASURED_PREFIX, preset_file_body

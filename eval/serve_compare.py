@@ -14,7 +14,8 @@ import torch
 
 from eagle3.engines import aux_layers
 from eagle3.engines import serve_protocol as sp
-from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, acceptance_by_position, build_sglang_tree, replay_sequence
+from eagle3.replay.accept_sim import AcceptStats, acceptance_by_position, build_sglang_tree, replay_sequence
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.real_loop.check import capture_sequence
 from eagle3.replay.drafter_session import SequenceDrafter
 

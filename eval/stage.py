@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config import resolve
 from eagle3.config.conf import ConfigError, as_plain_dict
 from eagle3.replay.cost_model import Latencies, predict

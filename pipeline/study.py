@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from eagle3.config import resolve
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.knob_grid import knob_grid
 from eagle3.config.conf import as_plain_dict, compose, to_schema
 from eagle3.formats.manifest import atomic_write_json, sha256_file

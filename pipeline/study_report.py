@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import ConfigError
 from eagle3.replay.knob_grid import knob_table
 from eagle3.replay.cost_model import FLAT_OF

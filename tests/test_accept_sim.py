@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from eagle3.replay.accept_sim import (AcceptStats, DraftTree, SpecKnobs, build_sglang_tree, greedy_segments,
+from eagle3.replay.accept_sim import (AcceptStats, DraftTree, build_sglang_tree, greedy_segments,
                                       greedy_tree_accept, replay_sequence)
+from eagle3.engines.serve_launch import SpecKnobs
 
 
 def greedy_world(T=40, prompt=5, seed=0, vocab=50):

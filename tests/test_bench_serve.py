@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.openai_server import FaultPlan
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import compose, to_schema
 from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.real_loop.chain import greedy_decode

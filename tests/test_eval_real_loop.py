@@ -4,7 +4,7 @@ lossless against the target's own greedy decode, and its accept length equal to 
 import pytest
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.real_loop.chain import eos_ids, greedy_decode, speculative_decode
 from eagle3.real_loop.check import real_vs_simulated
 from eagle3.target_model.target_io import load_target

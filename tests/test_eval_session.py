@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.replay.accept_sim import build_sglang_tree
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.replay.drafter_session import SequenceDrafter
 from eagle3.replay.evaluate import EvalInputError, evaluate_drafter, simulate_accept_length, teacher_forced_correct

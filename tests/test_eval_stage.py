@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import ConfigError, compose, to_schema
 from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.real_loop.chain import greedy_decode

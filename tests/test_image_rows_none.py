@@ -126,7 +126,7 @@ def test_eval_refuses_fused_and_runs_placeholder_with_text_prompts_in_the_real_l
 def test_the_replay_itself_refuses_fused_on_it(blind_eval_world):
     """The study and the A/B call the replay without the eval stage: the refusal lives in evaluate_drafter."""
     from eagle3.drafter.drafter_io import load_drafter_dir
-    from eagle3.replay.accept_sim import SpecKnobs
+    from eagle3.engines.serve_launch import SpecKnobs
     from eagle3.replay.evaluate import evaluate_drafter
 
     root, drafter_dir = blind_eval_world

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.drafter import image_embeddings
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
 from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
 from tests.fixtures.unroll_batch import HT, H, V

@@ -131,7 +131,7 @@ def test_measured_preset_file(tmp_path):
 ])
 def test_standin_meta_before_any_verify_step_is_what_that_sglang_writes(version, expected):
     # a one-token reply (EOS at prefill): no cycle was verified
-    from eagle3.replay.accept_sim import SpecKnobs
+    from eagle3.engines.serve_launch import SpecKnobs
     from tests.standins.serve_standin import Decoded, ModelSide, StandinServer
     server = StandinServer("sglang", ModelSide(None, drafter=object(), knobs=SpecKnobs(2, 1, 3)), version=version)
     try:

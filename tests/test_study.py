@@ -64,7 +64,7 @@ def test_scratch_init_depends_on_the_seed(tiny_k25_target):
 
 def test_evaluate_without_ngram_scores_the_drafter_the_same(tmp_path, tiny_k25_target):
     """ngram=None (the study's curve points) leaves the drafter's numbers as they are and n-gram out."""
-    from eagle3.replay.accept_sim import SpecKnobs
+    from eagle3.engines.serve_launch import SpecKnobs
     from eagle3.drafter.drafter_io import load_drafter_dir
     from eagle3.formats.store import HiddenStateStore
     from eagle3.target_model.target_io import load_embed_tokens

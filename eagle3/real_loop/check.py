@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.replay.accept_sim import AcceptStats, SpecKnobs, build_sglang_tree, replay_sequence
+from eagle3.replay.accept_sim import AcceptStats, build_sglang_tree, replay_sequence
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.cost_model import measured_latencies, predict
 from eagle3.real_loop.chain import PromptImages, greedy_decode, speculative_decode
 from eagle3.real_loop.tree import tree_speculative_decode

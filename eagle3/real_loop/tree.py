@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from eagle3.replay.accept_sim import SpecKnobs, build_sglang_tree
+from eagle3.replay.accept_sim import build_sglang_tree
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.real_loop.chain import (PromptImages, SpecResult, TargetRunner, elapsed_ms, eos_ids, prefill_inputs,
                                     sync_device)
 from eagle3.replay.drafter_session import BeamCache

@@ -38,33 +38,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class SpecKnobs:
-    """SGLang's --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens."""
-    num_steps: int = 2
-    topk: int = 1
-    num_draft_tokens: int = 3
-
-    def __post_init__(self):
-        if self.num_steps < 1 or self.topk < 1:
-            raise ValueError(f"{self}: num_steps and topk must be >= 1")
-        if not 2 <= self.num_draft_tokens <= 1 + self.num_candidates:
-            raise ValueError(f"{self}: num_draft_tokens must be in [2, {1 + self.num_candidates}] "
-                             f"(the verified token plus at most topk + (num_steps-1)*topk^2 candidates)")
-
-    @property
-    def num_candidates(self) -> int:
-        return self.topk + (self.num_steps - 1) * self.topk * self.topk
-
-    @property
-    def max_depth(self) -> int:
-        """Deepest draft position a tree can reach (a chain of num_draft_tokens-1 nodes at most)."""
-        return min(self.num_steps, self.num_draft_tokens - 1)
-
-    @property
-    def label(self) -> str:
-        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+from eagle3.engines.serve_launch import SpecKnobs
 
 
 @dataclass

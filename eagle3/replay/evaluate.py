@@ -18,8 +18,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from eagle3.engines import aux_layers
-from eagle3.replay.accept_sim import (AcceptStats, SpecKnobs, build_sglang_tree, leading_hits, replay_chain_runs,
+from eagle3.replay.accept_sim import (AcceptStats, build_sglang_tree, leading_hits, replay_chain_runs,
                                       replay_sequence)
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.cost_model import accept_length_from_acceptance
 from eagle3.errors import StageError
 from eagle3.drafter.image_embeddings import rows_problem, token_embeddings

@@ -3,7 +3,7 @@ trees (knob_grid) and, for measured accept lengths, the cost model's speed-up of
 Shared by the study (pipeline/study.py) and bench-serve (eval/bench_serve.py)."""
 from __future__ import annotations
 
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.cost_model import predict
 
 

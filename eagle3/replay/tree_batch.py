@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from eagle3.replay.accept_sim import DraftTree, SpecKnobs
+from eagle3.replay.accept_sim import DraftTree
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.drafter.attention import KVCache
 
 

@@ -28,7 +28,7 @@ import torch
 
 from data.openai_server import FaultPlan, LocalServer
 from eagle3.engines import serve_protocol as sp
-from eagle3.replay.accept_sim import SpecKnobs
+from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.real_loop.chain import greedy_decode, speculative_decode
 from eagle3.real_loop.tree import tree_speculative_decode
 

@@ -10,6 +10,7 @@ from eagle3.config.choices import DEVICES, FLOAT_DTYPES, SERVE_ENGINES
 from eagle3.config.conf import ConfigError, register_stage
 from eagle3.config.schema.common import InitConf, PathsConf, TargetConf, WandbConf
 from eagle3.config.schema.study import KnobGridConf
+from eagle3.engines.serve_launch import SpecKnobs
 
 
 @dataclass
@@ -36,8 +37,6 @@ class ServerConf:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"server {self.name}: url={self.url!r} is not an http(s) URL")
         if self.speculative:
-            from eagle3.replay.accept_sim import SpecKnobs
-
             try:
                 SpecKnobs(self.num_steps, self.topk, self.num_draft_tokens)
             except ValueError as e:

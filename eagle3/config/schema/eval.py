@@ -8,6 +8,7 @@ from typing import List, Optional
 from eagle3.config.choices import DEVICES, FLOAT_DTYPES, IMAGE_EMBEDDINGS, NGRAM_PREFER
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import InitConf, PathsConf, TargetConf, WandbConf
+from eagle3.engines.serve_launch import SpecKnobs
 
 
 @dataclass
@@ -18,8 +19,6 @@ class KnobConf:
     num_draft_tokens: int = 3
 
     def validate(self) -> None:
-        from eagle3.replay.accept_sim import SpecKnobs
-
         try:
             SpecKnobs(self.num_steps, self.topk, self.num_draft_tokens)
         except ValueError as e:
