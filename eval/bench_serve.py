@@ -22,7 +22,7 @@ from eagle3.engines import aux_layers
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import ConfigError
 from eagle3.replay.cost_fit import CostFitError, fit_cycle_costs
-from eagle3.replay.cost_presets import MEASURED_PREFIX, preset_file_body
+from eagle3.engines.serve_costs import MEASURED_PREFIX, preset_file_body
 from eagle3.formats.manifest import MANIFEST, atomic_write_json, write_manifest
 from eagle3.config.schema.bench_serve import BenchServeConfig
 from eval import serve_report as rep

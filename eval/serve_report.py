@@ -9,7 +9,7 @@ from typing import Optional
 from eagle3.engines import serve_protocol as sp
 from eagle3.replay.accept_sim import acceptance_by_position
 from eagle3.replay.cost_fit import CostFit, CyclePoint
-from eagle3.replay.cost_model import Latencies
+from eagle3.engines.serve_costs import Latencies
 
 ACCEPT_LABELS = {
     "engine_pooled": "completion tokens / verify steps over all requests (SGLang's spec_accept_length, pooled; "

@@ -15,8 +15,8 @@ import torch
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config import resolve
 from eagle3.config.conf import ConfigError, as_plain_dict
-from eagle3.replay.cost_model import Latencies, predict
-from eagle3.replay.cost_presets import resolve_preset
+from eagle3.engines.serve_costs import Latencies, resolve_preset
+from eagle3.replay.cost_model import predict
 from eagle3.drafter.image_embeddings import rows_problem
 from eagle3 import fingerprints as fp
 from eagle3.formats.manifest import MANIFEST, ManifestError, atomic_write_json, read_json

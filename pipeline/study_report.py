@@ -13,8 +13,7 @@ from typing import Optional
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.config.conf import ConfigError
 from eagle3.replay.knob_grid import knob_table
-from eagle3.replay.cost_model import FLAT_OF
-from eagle3.replay.cost_presets import resolve_preset
+from eagle3.engines.serve_costs import FLAT_OF, resolve_preset
 from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json
 from pipeline.study_stats import mean_std, token_saving_pairs, world_difference, world_spread
 

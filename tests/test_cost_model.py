@@ -1,8 +1,8 @@
-"""The go / no-go cost model (eagle3/replay/cost_model.py) against the account's figures."""
+"""The go / no-go cost model (eagle3/replay/cost_model.py) against the account's figures (eagle3/engines/serve_costs.py)."""
 import pytest
 
-from eagle3.replay.cost_model import (ACCOUNT_8GPU_PCIE, Latencies, accept_length_from_acceptance, accept_length_iid,
-                                      fit_verify_latency, measured_latencies, predict)
+from eagle3.engines.serve_costs import ACCOUNT_8GPU_PCIE, Latencies
+from eagle3.replay.cost_model import accept_length_from_acceptance, accept_length_iid, fit_verify_latency, measured_latencies, predict
 
 
 def test_account_drafter_is_predicted_slower():
@@ -49,7 +49,7 @@ def test_fit_and_bad_input():
 
 def test_the_study_prices_with_the_named_assumed_split_and_reports_the_flat_cycle_beside():
     from eagle3.config.conf import compose, to_schema
-    from eagle3.replay.cost_model import FLAT_OF, PRESETS
+    from eagle3.engines.serve_costs import FLAT_OF, PRESETS
     from eagle3.config.schema.study import StudyConfig
     from eval.stage import latencies_from_config
 

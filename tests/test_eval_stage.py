@@ -93,7 +93,7 @@ def test_run_eval_bad_inputs(world, tiny_k25_target, tmp_path):
 
 
 def test_cost_falls_back_to_the_teacher_forced_estimate_without_cycles():
-    from eagle3.replay.cost_model import ACCOUNT_8GPU_PCIE
+    from eagle3.engines.serve_costs import ACCOUNT_8GPU_PCIE
     from eval.stage import best_setting, cost_section
 
     knobs = [SpecKnobs(2, 1, 3)]

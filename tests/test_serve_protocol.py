@@ -1,6 +1,6 @@
 """The accept-length fields and counters of each engine and version (eagle3/engines/serve_protocol.py, read from
 the SGLang 0.5.2-0.5.23 and vLLM 0.34.0 wheels), the cost split fit (eagle3/replay/cost_fit.py) and the measured
-cost preset (eagle3/replay/cost_presets.py) on hand-checked cases."""
+cost preset (eagle3/engines/serve_costs.py) on hand-checked cases."""
 import json
 import os
 
@@ -9,8 +9,7 @@ import pytest
 from eagle3.engines import serve_protocol as sp
 from eagle3.engines import vllm_protocol
 from eagle3.replay.cost_fit import CostFitError, CyclePoint, fit_cycle_costs
-from eagle3.replay.cost_model import Latencies
-from eagle3.replay.cost_presets import PresetError, preset_file_body, resolve_preset
+from eagle3.engines.serve_costs import Latencies, PresetError, preset_file_body, resolve_preset
 
 COUNTS = dict(verify_ct=10, completion_tokens=25, correct_drafts=14, num_steps=3, num_draft_tokens=4,
               histogram=[2, 3, 4, 1])

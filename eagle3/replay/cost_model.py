@@ -24,53 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-
-@dataclass(frozen=True)
-class Latencies:
-    """Per-operation costs in milliseconds (batch 1)."""
-    baseline_token_ms: float
-    verify_ms: float
-    verify_ms_per_token: float = 0.0
-    draft_step_ms: float = 0.0
-    draft_extend_ms: float = 0.0
-    source: str = "given"
-
-    def __post_init__(self):
-        for name in ("baseline_token_ms", "verify_ms"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Latencies.{name}={getattr(self, name)}: must be > 0 ms")
-        for name in ("verify_ms_per_token", "draft_step_ms", "draft_extend_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Latencies.{name}={getattr(self, name)}: must be >= 0 ms")
-
-    @staticmethod
-    def from_baseline_tok_s(baseline_tok_s: float, **kw) -> "Latencies":
-        if not baseline_tok_s > 0:
-            raise ValueError(f"baseline tok/s must be > 0, got {baseline_tok_s}")
-        return Latencies(baseline_token_ms=1000.0 / baseline_tok_s, **kw)
-
-    def verify(self, num_tokens: int) -> float:
-        return self.verify_ms + self.verify_ms_per_token * num_tokens
-
-    def cycle_ms(self, num_steps: int, num_draft_tokens: int) -> float:
-        return self.verify(num_draft_tokens) + num_steps * self.draft_step_ms + self.draft_extend_ms
-
-
-# The account (docs/design.md "Sources"): Kimi-K2.5 INT4 on 8 RTX PRO 6000 over PCIe, SGLang, 2/1/3:
-# 82 tok/s without speculation; "approximately 30 ms per cycle" for the verify, which the account
-# gives as the whole cycle's cost, so no separate draft-step cost is added.
-ACCOUNT_8GPU_PCIE = Latencies.from_baseline_tok_s(82.0, verify_ms=30.0, source="account: 8x RTX PRO 6000 PCIe, SGLang")
-# The same server with the cycle split so that 2/1/3 still costs 30 ms (23.5 + 3 x 1.5 + 2 x 1.0) while other settings
-# pay for their size. ASSUMED, not measured (the account measured only the 2/1/3 cycle): a draft step of the one-layer
-# drafter over 8 PCIe GPUs (~2-3 all-reduces at ~0.2 ms each) ~1 ms; each verified token adds MoE expert reads ~1.5 ms.
-# The study prices its knob grid with it; `make bench-serve` measures the real split (cost.preset=measured:<file>).
-ACCOUNT_8GPU_PCIE_SPLIT = Latencies.from_baseline_tok_s(
-    82.0, verify_ms=23.5, verify_ms_per_token=1.5, draft_step_ms=1.0,
-    source="account: 8x RTX PRO 6000 PCIe, SGLang; its 30 ms 2/1/3 cycle split as ASSUMED 23.5 + 1.5/token + 1.0/step")
-PRESETS = {"account_8gpu_pcie": ACCOUNT_8GPU_PCIE, "account_8gpu_pcie_split": ACCOUNT_8GPU_PCIE_SPLIT}
-# A split preset's cycle as its source gave it (one cost for every setting): the study reports the best knob under
-# both, so the effect of the assumed split shows.
-FLAT_OF = {"account_8gpu_pcie_split": "account_8gpu_pcie"}
+from eagle3.engines.serve_costs import Latencies
 
 
 def accept_length_from_acceptance(acceptance: Sequence[float]) -> float:

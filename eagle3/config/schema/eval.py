@@ -8,6 +8,7 @@ from typing import List, Optional
 from eagle3.config.choices import DEVICES, FLOAT_DTYPES, IMAGE_EMBEDDINGS, NGRAM_PREFER
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import InitConf, PathsConf, TargetConf, WandbConf
+from eagle3.engines.serve_costs import preset_problem
 from eagle3.engines.serve_launch import SpecKnobs
 
 
@@ -69,8 +70,8 @@ class RealLoopConf:
 
 @dataclass
 class CostConf:
-    """Latencies for the verdict. `preset` names eagle3.replay.cost_model.PRESETS or is `measured:<file>` (a preset
-    `make bench-serve` measured on a live server; eagle3/replay/cost_presets.py); a non-null field overrides it."""
+    """Latencies for the verdict. `preset` names eagle3.engines.serve_costs.PRESETS or is `measured:<file>` (a preset
+    `make bench-serve` measured on a live server; eagle3/engines/serve_costs.py); a non-null field overrides it."""
     preset: Optional[str] = "account_8gpu_pcie"  # 82 tok/s baseline, ~30 ms per verify cycle (8 GPUs over PCIe)
     baseline_tok_s: Optional[float] = None
     verify_ms: Optional[float] = None
@@ -79,8 +80,6 @@ class CostConf:
     draft_extend_ms: Optional[float] = None
 
     def validate(self) -> None:
-        from eagle3.replay.cost_presets import preset_problem
-
         if (problem := preset_problem(self.preset)) is not None:
             raise ConfigError(problem)
         if self.preset is None and (self.baseline_tok_s is None or self.verify_ms is None):

@@ -77,7 +77,7 @@ class StudyConfig(ForwardedSettings):
     forgetting_max_sequences: Optional[int] = None
     real_check: RealCheckConf = field(default_factory=RealCheckConf)
     knob_grid: KnobGridConf = field(default_factory=KnobGridConf)
-    # The server the knobs are priced for (eagle3/replay/cost_model.py): the account's 82 tok/s and ~30 ms 2/1/3 cycle, split
+    # The server the knobs are priced for (eagle3/engines/serve_costs.py): the account's 82 tok/s and ~30 ms 2/1/3 cycle, split
     # per verified token and per draft step by an ASSUMED rule (preset account_8gpu_pcie_split); a server measured by
     # `make bench-serve` replaces it with cost.preset=measured:<file>.
     cost: CostConf = field(default_factory=lambda: CostConf(preset="account_8gpu_pcie_split"))
