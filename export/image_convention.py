@@ -10,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from eagle3.drafter.image_embeddings import CONFIG_KEY, ENGINE_DEFAULT, check_convention, resolve, serving_mismatch
+from eagle3.config.resolve import image_embeddings as resolve
+from eagle3.drafter.image_embeddings import CONFIG_KEY, check_convention, serving_mismatch
+from eagle3.engines.serve_launch import ENGINE_DEFAULT
 from eagle3.formats.manifest import ManifestError, read_json
 
 

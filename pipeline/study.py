@@ -100,7 +100,7 @@ class Evaluator:
         from eagle3.formats.store import HiddenStateStore
         from eagle3.target_model.target_io import load_embed_tokens
 
-        from eagle3.drafter.image_embeddings import resolve
+        from eagle3.config.resolve import image_embeddings as resolve
 
         self.cfg, self.device = eval_cfg, device
         self.image_embeddings = resolve(eval_cfg.image_embeddings)  # what the drafter reads at image rows
@@ -143,7 +143,7 @@ class RealCheck:
 
     def __init__(self, eval_cfg, device: str, conf):
         from eagle3.target_model.target_io import load_target, read_text_config
-        from eagle3.drafter.image_embeddings import resolve
+        from eagle3.config.resolve import image_embeddings as resolve
         from eval.stage import prompt_images_from_store, prompts_from_store
 
         self.conf = conf

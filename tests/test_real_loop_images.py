@@ -163,11 +163,12 @@ def test_a_bad_choice_is_the_schemas_error(tmp_path):
 
 
 def test_auto_is_the_export_engines_convention():
+    from eagle3.config.resolve import image_embeddings as resolve
     from eagle3.drafter import image_embeddings as ie
 
-    assert ie.resolve("auto") == "fused" and ie.resolve("auto", "vllm") == "placeholder"
-    assert ie.resolve("placeholder") == "placeholder"
+    assert resolve("auto") == "fused" and resolve("auto", "vllm") == "placeholder"
+    assert resolve("placeholder") == "placeholder"
     with pytest.raises(ValueError, match="expected one of"):
-        ie.resolve("clamped")
+        resolve("clamped")
     assert ie.serving_mismatch("fused", "sglang") is None
     assert "vllm feeds placeholder" in ie.serving_mismatch("fused", "vllm")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eagle3.drafter import image_embeddings
+from eagle3.engines.serve_launch import default_for_engine
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.evaluate import evaluate_drafter, simulate_accept_length
 from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
@@ -96,8 +97,8 @@ class _Only:
 
 
 def test_engine_defaults_and_bad_inputs():
-    assert image_embeddings.default_for_engine("sglang") == "fused"
-    assert image_embeddings.default_for_engine("vllm") == "placeholder"
+    assert default_for_engine("sglang") == "fused"
+    assert default_for_engine("vllm") == "placeholder"
     with pytest.raises(ValueError, match="expected one of"):
         image_embeddings.check_convention("clamped")
     emb = torch.nn.Embedding(10, 4)

@@ -1,13 +1,14 @@
 """Every config `auto`, resolved once: one function per concern, called right after a stage reads its
 config; the stage records what they chose in its manifest (`resolved`), so a reader finds what a run did
-there. `data.order` is its schema's own (TrainDataConf.resolved_order); the image-row convention's rule is
-eagle3/drafter/image_embeddings.py `resolve`, re-exported here as `image_embeddings`.
+there. `data.order` is its schema's own (TrainDataConf.resolved_order). What an image-row convention means is
+eagle3/drafter/image_embeddings.py's; which one each engine feeds, eagle3/engines/serve_launch.py's.
 
 Standard library at import; torch only inside `device` (is CUDA there?).
 """
 from __future__ import annotations
 
-from eagle3.drafter.image_embeddings import resolve as image_embeddings
+from eagle3.config.choices import IMAGE_EMBEDDINGS
+from eagle3.engines.serve_launch import EXPORT_ENGINE, default_for_engine
 
 __all__ = ["compile_fast_path", "device", "image_embeddings", "loader_workers", "precision", "train_choices", "unroll"]
 
@@ -44,6 +45,13 @@ def compile_fast_path(choice, device_type: str) -> bool:
 def loader_workers(n: int, device_type: str) -> int:
     """data.num_workers=-1: GPU_LOADER_WORKERS on GPU, 0 (read in this process) on CPU."""
     return n if n >= 0 else (GPU_LOADER_WORKERS if device_type == "cuda" else 0)
+
+
+def image_embeddings(choice: str, engine: str = EXPORT_ENGINE) -> str:
+    """A config's `image_embeddings` (auto | fused | placeholder) -> the convention (auto: `engine`'s)."""
+    if choice not in IMAGE_EMBEDDINGS:
+        raise ValueError(f"image_embeddings={choice!r}: expected one of {IMAGE_EMBEDDINGS}")
+    return default_for_engine(engine) if choice == "auto" else choice
 
 
 def train_choices(config) -> dict:

@@ -6,7 +6,8 @@
     (`<|media_pad|>`, 163605 for Kimi-K2.5).
 Text rows are embed_tokens(id) under both. A sequence without images is the same under both.
 The config switch (train, eval) is `image_embeddings: auto | fused | placeholder`; auto = the convention of the
-engine the export serves with first (SGLang: its directory and SERVE.md's first command), i.e. fused.
+engine the export serves with first (SGLang: its directory and SERVE.md's first command), i.e. fused: the rule is
+eagle3/config/resolve.py `image_embeddings`, the convention each engine feeds eagle3/engines/serve_launch.py `ENGINE_DEFAULT`.
 The export records the trained convention in config.json under CONFIG_KEY (engines ignore the key).
 
 Standard library at import (drafter_keys and the schemas read its names); torch inside token_embeddings.
@@ -15,10 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from eagle3.config.choices import IMAGE_CONVENTIONS as CONVENTIONS, IMAGE_EMBEDDINGS as CHOICES
+from eagle3.config.choices import IMAGE_CONVENTIONS as CONVENTIONS
+from eagle3.engines.serve_launch import EXPORT_ENGINE, default_for_engine
 
-ENGINE_DEFAULT = {"sglang": "fused", "vllm": "placeholder"}
-EXPORT_ENGINE = "sglang"  # the engine `auto` follows: the export's SGLang directory is the one SERVE.md serves first
 CONFIG_KEY = "eagle3_image_embeddings"  # the exported config.json's record of the trained convention
 
 if TYPE_CHECKING:
@@ -29,20 +29,6 @@ def check_convention(convention: str) -> str:
     if convention not in CONVENTIONS:
         raise ValueError(f"image_embeddings={convention!r}: expected one of {CONVENTIONS}")
     return convention
-
-
-def default_for_engine(engine: str) -> str:
-    """The convention an engine serves with (SGLang fused, vLLM placeholder)."""
-    if engine not in ENGINE_DEFAULT:
-        raise ValueError(f"engine {engine!r}: no image embedding convention known (one of {sorted(ENGINE_DEFAULT)})")
-    return ENGINE_DEFAULT[engine]
-
-
-def resolve(choice: str, engine: str = EXPORT_ENGINE) -> str:
-    """A config's `image_embeddings` (auto | fused | placeholder) -> the convention (auto: `engine`'s)."""
-    if choice not in CHOICES:
-        raise ValueError(f"image_embeddings={choice!r}: expected one of {CHOICES}")
-    return default_for_engine(engine) if choice == "auto" else choice
 
 
 def rows_problem(convention: str, store, choice: Optional[str] = None) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""How a drafter is launched on a server: SGLang's three speculative knobs and their rule (SpecKnobs), the knobs
-chosen for it (ServeChoice) and the SGLang / vLLM launch lines (standard library only). Shared by the export's
+"""How a drafter is launched on a server: the image rows each engine feeds it (ENGINE_DEFAULT), SGLang's three
+speculative knobs and their rule (SpecKnobs), the knobs chosen for it (ServeChoice) and the SGLang / vLLM launch lines (standard library only). Shared by the export's
 SERVE.md (export/serving.py), bench-serve (eval/serve_measure.py), the config schemas and the replay."""
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+# What each engine feeds the drafter at image rows (eagle3/drafter/image_embeddings.py): SGLang the target's fused
+# input embeddings, vLLM's Eagle3LlamaForCausalLM the drafter's own embedding of the placeholder token.
+ENGINE_DEFAULT = {"sglang": "fused", "vllm": "placeholder"}
+EXPORT_ENGINE = "sglang"  # the engine `auto` follows: the export's SGLang directory is the one SERVE.md serves first
+
+
+def default_for_engine(engine: str) -> str:
+    """The image-row convention an engine serves with (SGLang fused, vLLM placeholder)."""
+    if engine not in ENGINE_DEFAULT:
+        raise ValueError(f"engine {engine!r}: no image embedding convention known (one of {sorted(ENGINE_DEFAULT)})")
+    return ENGINE_DEFAULT[engine]
 
 
 @dataclass(frozen=True)
