@@ -150,10 +150,10 @@ def check_tokenizer(cfg, prep_manifest: dict) -> str:
 def capture_image_token_id(cfg, prep_manifest: dict) -> int | None:
     """The image row id when the prepared data holds images (an image capture: the store keeps the fused
     input embeddings of those rows), else None. The id prepare rendered must be the target's image_token_id
-    (eagle3/target_model/media_tokens.py)."""
+    (eagle3/media_tokens.py)."""
     if not (prep_manifest.get("counts") or {}).get("images"):
         return None
-    from eagle3.target_model.media_tokens import K25_IMAGE_TOKEN_ID
+    from eagle3.media_tokens import K25_IMAGE_TOKEN_ID
 
     pad = (prep_manifest.get("media_token_ids") or {}).get("pad")
     full = target_io.read_full_config(cfg.target.path)

@@ -106,7 +106,7 @@ class HFGenerator:
         """[B, T, H] input embeddings of the left-padded `batch` with every image's features at its
         `<|media_pad|>` rows (images in row-major order, as the prompts hold them). A target without a vision
         tower, or whose image_token_id is not the tokenizer's pad, fails the conversation."""
-        from eagle3.target_model.media_tokens import MediaTokenError, image_token_id
+        from eagle3.media_tokens import MediaTokenError, image_token_id
         from eagle3.target_model.target_images import fused_input_embeddings, image_features, pixel_inputs
         from eagle3.target_model.target_io import TargetError
 

@@ -5,7 +5,7 @@ A validated user message with images is `{"role": "user", "content": text, "imag
 every image is read (a data URI, a `file://` URL or a local path relative to the input file), decoded and
 size-checked when the record is read, so a bad image skips its record before any regeneration or
 tokenization, and kept as a data URI (JSON-safe, for the regeneration store). From there:
-  * `template_messages`: the image blocks written into the text (eagle3/target_model/media_tokens.py, one `<|media_pad|>`
+  * `template_messages`: the image blocks written into the text (eagle3/media_tokens.py, one `<|media_pad|>`
     per LM position, the count from K2.5's rule in eagle3/target_model/images.py), what the chat template renders;
   * `openai_messages`: `image_url` parts before the text part, what a chat server is sent;
   * `conversation_images`: the image bytes and `image_grid_thw` rows in LM order, stored with the record.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.target_model import images as img_rule
-from eagle3.target_model.media_tokens import user_content
+from eagle3.media_tokens import user_content
 
 IMAGE_MARKER = "<image>"
 # ImageError reasons -> prepare's skip reasons (data/conversations.py SKIP_REASONS)

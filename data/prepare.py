@@ -97,7 +97,7 @@ def image_token_ids(target, tokenizer) -> tuple[Optional[dict], str]:
     the config is at hand, and the tokenizer's `<|media_pad|>` = its image_token_id), else (None, why not)."""
     import json
 
-    from eagle3.target_model.media_tokens import MEDIA_PAD, MediaTokenError, image_token_id, media_token_ids
+    from eagle3.media_tokens import MEDIA_PAD, MediaTokenError, image_token_id, media_token_ids
 
     if target.layout != "kimi_k25":
         return None, f"target {target.name!r} (layout {target.layout}) is text-only"

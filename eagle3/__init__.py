@@ -3,8 +3,8 @@
 Subpackages, by concern: drafter/ (the model, its config contract and files, vocab), ttt/ (training numerics),
 formats/ (store, manifests, checkpoints, export layout, release format), engines/ (what SGLang / vLLM read and
 say), target_model/ (the target model and its images), replay/ (what a served drafter would do, without a server),
-real_loop/ (the real speculative loop), config/ (Hydra plumbing, schemas, choices). errors, hooks, world and
-cpu_threads are the cross-cutting rest.
+real_loop/ (the real speculative loop), config/ (Hydra plumbing, schemas, choices). errors, hooks, world,
+media_tokens (Kimi-K2.5's image tokens) and cpu_threads are the cross-cutting rest.
 """
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 """K2.5's image rule (eagle3/target_model/images.py) on hand-checked sizes, its pixels and patches, the image sources,
-and the media tokens (eagle3/target_model/media_tokens.py); against transformers' kimi_k25 image processor where it
+and the media tokens (eagle3/media_tokens.py); against transformers' kimi_k25 image processor where it
 imports (it needs torchvision)."""
 import io
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eagle3.target_model import images
-from eagle3.target_model import media_tokens
+from eagle3 import media_tokens
 from eagle3.target_model.images import ImageError, ImageRule, grid_thw, media_pad_count, resized_and_padded
 
 

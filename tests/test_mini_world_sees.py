@@ -9,7 +9,7 @@ import torch
 from data.mini_world import scenes
 from data.mini_world import vision as eyes
 from eagle3.target_model import images as img_rule
-from eagle3.target_model.media_tokens import image_block
+from eagle3.media_tokens import image_block
 from eagle3.config.conf import ConfigError, compose, to_schema
 from eagle3.config.schema.mini_world import MiniWorldConfig
 from tests.fixtures.images import media_tokenizer, seeing_k25_target  # noqa: F401 (fixtures)

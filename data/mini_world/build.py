@@ -26,7 +26,7 @@ from eagle3.config.conf import as_plain_dict
 from eagle3.cpu_threads import auto_threads
 from eagle3.errors import StageError
 from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, write_manifest
-from eagle3.target_model.media_tokens import media_token_ids
+from eagle3.media_tokens import media_token_ids
 from eagle3.config.schema.mini_world import MiniWorldConfig
 from eagle3.fingerprints import target_weights
 from eagle3.world import deterministic_algorithms, deterministic_ops_note

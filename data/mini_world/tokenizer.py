@@ -90,12 +90,12 @@ def special_token_ids(tokenizer) -> dict[str, int]:
 
 
 def add_media_tokens_to(out_dir: Path | str):
-    """Give the saved tokenizer in `out_dir` Kimi-K2.5's four media tokens (eagle3/target_model/media_tokens.py; ids after
+    """Give the saved tokenizer in `out_dir` Kimi-K2.5's four media tokens (eagle3/media_tokens.py; ids after
     its vocabulary, as K2's and K2.5's tokenizer share them: the text-only k2-mini simply never reads them),
     save it again and return it."""
     from transformers import AutoTokenizer
 
-    from eagle3.target_model.media_tokens import add_media_tokens
+    from eagle3.media_tokens import add_media_tokens
 
     tok = AutoTokenizer.from_pretrained(str(out_dir))
     add_media_tokens(tok)

@@ -2,7 +2,7 @@
 trained jointly with it on seeded synthetic scenes (data/mini_world/scenes.py), and the held-out image
 conversations of the K2.5 corpus.
 
-An image conversation is rendered exactly as prepare renders it (eagle3/target_model/media_tokens.py: the image block
+An image conversation is rendered exactly as prepare renders it (eagle3/media_tokens.py: the image block
 before the user turn's text, one `<|media_pad|>` per LM position, the count from K2.5's rule), tokenized
 piecewise at the role tokens (specials, so the pieces tokenize as the whole), with loss on the assistant
 answers and their `<|im_end|>` only. The images go through eagle3/target_model/images.py (the PNG bytes prepare would
@@ -24,7 +24,7 @@ from data.mini_world.tokenizer import IM_END
 from data.mini_world.vision_step import IGNORE, JointStep  # noqa: F401 (IGNORE: the labels' fill, re-exported)
 from eagle3.cpu_threads import small_op_threads, torch_threads
 from eagle3.target_model import images as img_rule
-from eagle3.target_model.media_tokens import MEDIA_PAD, user_content
+from eagle3.media_tokens import MEDIA_PAD, user_content
 
 
 @dataclass

@@ -30,14 +30,14 @@ parts that run on CPU:
   (what vLLM's own Eagle3LlamaForCausalLM feeds) trains on it.
 
 Nothing here has run against a real vLLM engine (it cannot run on the project's machines). Imports only
-eagle3.engines.vllm_protocol (torch; core code) and eagle3.target_model.media_tokens (stdlib).
+eagle3.engines.vllm_protocol (torch; core code) and eagle3.media_tokens (stdlib).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from eagle3.engines import vllm_protocol
-from eagle3.target_model.media_tokens import image_block
+from eagle3.media_tokens import image_block
 
 PLACEHOLDER = image_block(1)  # vLLM's get_placeholder_str("image"): K2.5's image block with one pad
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"

@@ -164,7 +164,7 @@ class HiddenStateWriter:
         """hf_indices: the Hugging Face hidden-state indices h of the aux states, in fc's order (the physical
         truth; eagle3/engines/aux_layers.py). aux_provenance: how they were chosen (engine rule, source, the ids a
         drafter config listed), recorded in the manifest but not compared on resume. image_token_id: the
-        target's image row id (eagle3/target_model/media_tokens.py) when the store keeps the fused input embeddings of
+        target's image row id (eagle3/media_tokens.py) when the store keeps the fused input embeddings of
         image rows (`add(..., image_embeds=)`); None for a text store. image_rows (an image store): FUSED keeps
         those rows (in fp8 with a scale per row when aux_dtype is fp8, else in `dtype`), NO_ROWS keeps none (a
         capture whose engine cannot give them: only the placeholder convention can train on it)."""
