@@ -23,7 +23,8 @@ from data.capture import Dist, capture_setup, default_dist, open_split, open_wri
 from data.capture_backends import backend_for
 from data.capture_plan import CaptureError, plan_split
 from eagle3.formats.manifest import atomic_write_json, read_json
-from eagle3.formats.spool import PLAN, Spool, Watermarks, dir_bytes, must_pause
+from eagle3.config.watermarks import Watermarks
+from eagle3.formats.spool import PLAN, Spool, dir_bytes, must_pause
 from eagle3.formats.store import HiddenStateStore
 
 STREAM_SPLIT = "train"

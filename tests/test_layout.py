@@ -30,7 +30,8 @@ PROJECT_FOLDERS = ("eagle3",) + STAGE_FOLDERS + (PIPELINE, "benchmarks", "tests"
 TORCH_FREE = ("eagle3", "eagle3.engines.aux_layers", "eagle3.config.choices", "eagle3.config.conf", "eagle3.replay.cost_model",
               "eagle3.cpu_threads", "eagle3.drafter.drafter_keys", "eagle3.errors", "eagle3.hooks", "eagle3.formats.manifest",
               "eagle3.engines.serve_launch", "eagle3.replay", "eagle3.real_loop", "eagle3.target_model.images", "eagle3.media_tokens",
-              "eagle3.fingerprints", "eagle3.stage_dir", "eagle3.config.resolve", "eagle3.engines.serve_costs")
+              "eagle3.fingerprints", "eagle3.stage_dir", "eagle3.config.resolve", "eagle3.engines.serve_costs",
+              "eagle3.config.watermarks", "eagle3.formats.spool")
 
 
 def module_name(path: Path) -> str:

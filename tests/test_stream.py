@@ -18,7 +18,8 @@ import torch
 from data.capture import Dist, run_capture
 from data.stream_capture import run_stream_capture
 from eagle3 import REPO_ROOT
-from eagle3.formats.spool import Spool, Watermarks, must_pause
+from eagle3.config.watermarks import Watermarks
+from eagle3.formats.spool import Spool, must_pause
 from eagle3.formats.store import HiddenStateStore
 from tests.fixtures.capture import capture_config, prepared, targets  # noqa: F401 (fixtures)
 from tests.fixtures.train_world import config_for, world  # noqa: F401 (fixture)

@@ -24,9 +24,9 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.config.watermarks import Watermarks
 from eagle3.errors import StageError
 from eagle3.formats.manifest import atomic_write_json
 
@@ -36,20 +36,6 @@ CHUNK, TMP, DELETING = "chunk-", ".tmp-chunk-", ".del-chunk-"
 
 class SpoolError(StageError, RuntimeError):
     """A spool that cannot be used: unreadable log, settings that differ, a producer gone quiet."""
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    cap: int    # bytes
-    high: int
-    low: int
-
-    @classmethod
-    def from_gb(cls, max_gb: float, high: float, low: float) -> "Watermarks":
-        if not (max_gb > 0 and 0 < low < high <= 1):
-            raise SpoolError(f"spool: max_gb={max_gb} must be > 0 and 0 < low={low} < high={high} <= 1")
-        cap = int(max_gb * 1e9)
-        return cls(cap, int(cap * high), int(cap * low))
 
 
 def must_pause(used: int, marks: Watermarks, paused: bool) -> bool:

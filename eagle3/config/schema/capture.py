@@ -11,7 +11,7 @@ from eagle3.config.choices import AUX_DTYPES, CAPTURE_BACKENDS, FLOAT_DTYPES, OV
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import InitConf, PathsConf, TargetConf
 from eagle3.config.schema.capture_vllm import VllmCaptureConf
-from eagle3.formats.spool import SpoolError, Watermarks
+from eagle3.config.watermarks import WatermarkError, Watermarks
 
 
 @dataclass
@@ -29,9 +29,9 @@ class StreamConf:
     poll_s: float = 0.5               # how often a paused producer looks again
 
     def validate(self) -> None:
-        try:  # the watermarks' own rule (eagle3/formats/spool.py)
+        try:  # the watermarks' own rule (eagle3/config/watermarks.py)
             Watermarks.from_gb(self.max_gb, self.high, self.low)
-        except SpoolError as e:
+        except WatermarkError as e:
             raise ConfigError(str(e)) from None
         if self.chunk_sequences < 1 or self.recapture < 1 or self.poll_s <= 0:
             raise ConfigError("stream: chunk_sequences >= 1, recapture >= 1, poll_s > 0")
