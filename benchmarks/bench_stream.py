@@ -38,7 +38,7 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
     from train.stage import run_train
 
     offline_dir, stream_dir = work / "capture-offline", work / "capture-stream"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     capture = [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *capture_over, "progress=false"]
     t0 = time.time()  # the producer alone: the same process a user starts, writing the offline store
     with open(work / "capture-offline.log", "w") as log:

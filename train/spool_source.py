@@ -176,8 +176,9 @@ class SpoolStore:
         c = bisect.bisect_right(self._starts, p) - 1
         chunk = self._chunks[c]["chunk"]
         try:
-            if chunk not in self._open:
-                self._open = {chunk: HiddenStateStore(self.spool.chunk_dir(chunk), verify=self.verify)}
+            if chunk not in self._open:  # kept open until released: a window shuffles across chunks, and a
+                # reopened store would hash its shard again (verify=sha256 hashes each shard once per open)
+                self._open[chunk] = HiddenStateStore(self.spool.chunk_dir(chunk), verify=self.verify)
             item = self._open[chunk][p - self._starts[c]]
         except StoreError as e:  # never trained on: the run stops at the last checkpoint
             raise TrainInputError(f"spool chunk {chunk}: {e}. Stop the producer, delete chunk {chunk} and later ones "
@@ -196,7 +197,10 @@ class SpoolStore:
 
     def release(self, rank: int, stream_position: int | None) -> None:
         """Rank `rank` needs no chunk wholly before `stream_position` (None: none at all) any more."""
-        self.spool.ack(rank, self.chunks_before(stream_position))
+        done = self.chunks_before(stream_position)
+        for e in self._chunks[:done]:
+            self._open.pop(e["chunk"], None)
+        self.spool.ack(rank, done)
 
     def reclaim(self, world_size: int) -> int:
         return self.spool.reclaim(world_size)
