@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from data.capture import Dist
+from data.capture_setup import Dist
 from data.capture_hf import capture_batch, capture_split
 from data.capture_plan import Seq
 from eagle3.engines import aux_layers

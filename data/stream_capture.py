@@ -19,7 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
-from data.capture import Dist, capture_setup, default_dist, open_split, open_writer, run_capture, store_meta
+from data.capture import run_capture
+from data.capture_setup import Dist, capture_setup, default_dist, open_split, open_writer, store_meta
 from data.capture_backends import backend_for
 from data.capture_plan import CaptureError, plan_split
 from eagle3.formats.manifest import atomic_write_json, read_json

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import data.capture as capture_mod
-from data.capture import CaptureError, Dist, plan_split, run_capture
+from data.capture import plan_split, run_capture
+from data.capture_plan import CaptureError
+from data.capture_setup import Dist
 from data.capture_plan import make_batches
 from eagle3.target_model import target_io
 from eagle3.config.conf import ConfigError, compose, to_schema

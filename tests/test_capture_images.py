@@ -6,7 +6,8 @@ import datasets
 import pytest
 import torch
 
-from data.capture import Dist, run_capture
+from data.capture import run_capture
+from data.capture_setup import Dist
 from data.prepare import run_prepare
 from eagle3.target_model import images as img_rule
 from eagle3.target_model import target_io

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from data import capture_vllm
-from data.capture import CaptureError, Dist, run_capture
+from data.capture import run_capture
+from data.capture_plan import CaptureError
+from data.capture_setup import Dist
 from eagle3.engines import aux_layers
 from eagle3.engines import vllm_protocol
 from eagle3.formats.store import HiddenStateStore

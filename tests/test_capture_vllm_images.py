@@ -12,7 +12,9 @@ import datasets
 import pytest
 import torch
 
-from data.capture import CaptureError, Dist, run_capture
+from data.capture import run_capture
+from data.capture_plan import CaptureError
+from data.capture_setup import Dist
 from data.capture_vllm_images import ImageSkip, expansion_problem, image_request
 from eagle3.engines import vllm_images
 from eagle3.formats.store import HiddenStateStore

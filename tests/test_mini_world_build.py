@@ -161,7 +161,8 @@ def test_seeing_k25_mini_is_captured_as_its_hf_multimodal_forward(tiny_world):
     stored fused rows = its hidden_states[0] at the image rows."""
     import datasets
 
-    from data.capture import Dist, run_capture
+    from data.capture import run_capture
+    from data.capture_setup import Dist
     from data.prepare import run_prepare
     from eagle3.target_model import target_io
     from eagle3.config.schema.capture import CaptureConfig

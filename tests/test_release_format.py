@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.capture import run_capture, Dist
+from data.capture import run_capture
+from data.capture_setup import Dist
 from data.mini_world.checkpoints import WEIGHTS
 from data.mini_world.release_checkpoint import save_kimi_k25_release
 from eagle3.formats import release_format

@@ -252,7 +252,8 @@ def prepared(tmp_path_factory, tiny_k25_target, tiny_sharegpt_records):
 
 
 def capture(tmp_path, target, prepared, out, *overrides):
-    from data.capture import Dist, run_capture
+    from data.capture import run_capture
+    from data.capture_setup import Dist
     from eagle3.config.conf import compose, to_schema
     from eagle3.config.schema.capture import CaptureConfig
 
@@ -274,7 +275,7 @@ def test_capture_stage_writes_fp8_aux(tmp_path, tiny_k25_target, prepared):
         x = a[i]["aux"].view(-1, 3, 64)
         assert_within_e4m3(x, b[i]["aux"].view(-1, 3, 64), quantise_rows(x)[1])
         assert torch.equal(a[i]["last"], b[i]["last"]) and torch.equal(a[i]["target_argmax"], b[i]["target_argmax"])
-    from data.capture import CaptureError
+    from data.capture_plan import CaptureError
     with pytest.raises(CaptureError, match="aux_dtype"):  # the same out_dir in the other format is refused
         capture(tmp_path, tiny_k25_target, prepared, "fp8")
 

@@ -94,7 +94,8 @@ def test_an_image_store_from_before_the_keys_reads_as_fused_in_dtype(tmp_path):
 
 def test_an_fp8_image_capture_keeps_the_fused_rows_within_e4m3(tmp_path, seeing_k25_target, image_prepared,  # noqa: F811
                                                                image_hf_store):
-    from data.capture import Dist, run_capture
+    from data.capture import run_capture
+    from data.capture_setup import Dist
 
     out = run_capture(image_capture_config(tmp_path, seeing_k25_target, image_prepared, f"out_dir={tmp_path / 'fp8'}",
                                            "max_tokens_per_batch=1", f"aux_dtype={FP8}"), Dist())

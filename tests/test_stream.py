@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.capture import Dist, run_capture
+from data.capture import run_capture
+from data.capture_setup import Dist
 from data.stream_capture import run_stream_capture
 from eagle3 import REPO_ROOT
 from eagle3.config.watermarks import Watermarks
@@ -343,7 +344,7 @@ def test_the_vllm_backend_streams_through_its_connector_into_the_same_chunks(tmp
     backend's, every connector file deleted (a capped spool cannot afford a forgotten one)."""
     import re
 
-    from data.capture import CaptureError
+    from data.capture_plan import CaptureError
     from tests.fixtures.vllm_capture import assert_no_connector_files
     from tests.standins.vllm_standin import StandinServer
     from tests.fixtures.ports import free_port

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from data import capture_vllm
-from data.capture import Dist, run_capture
+from data.capture import run_capture
+from data.capture_setup import Dist
 from eagle3.target_model import target_io
 from eagle3.engines import vllm_images
 from eagle3.engines import vllm_protocol
@@ -76,7 +77,7 @@ def vllm_cfg(tmp_path, targets, prepared, overrides=()):  # noqa: F811
 
 def printed_setup(cfg):
     """The setup run_capture makes: its `vllm serve` line is the one printed when no server answers."""
-    from data.capture import choose_aux_layers
+    from data.capture_setup import choose_aux_layers
 
     text = target_io.read_text_config(cfg.target.path, cfg.target.layout)
     h = choose_aux_layers(cfg, text["num_hidden_layers"]).hf_indices
