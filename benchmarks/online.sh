@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# Issue 43 on the lent GPU, in three calls on one warm machine (finished stages are reused between calls):
-#   PHASE=world  the GPU-size mini world and its K2.5 prepare / capture / vocab (pipeline/demo.build_experiment)
+# Issue 43's learning A/B and throughput bench on a mini world: SIZE=gpu (default; the lent GPU, in calls on one
+# warm machine: finished stages are reused between calls) or SIZE=cpu (this machine, the CPU demo's world).
+#   PHASE=world  the mini world and its K2.5 prepare / capture / vocab (pipeline/demo.build_experiment)
 #   PHASE=ab     the learning A/B: offline K epochs against windows of W sequences each trained K times (what a
-#                stream trains), K chosen so that both arms see about the world's usual 500 steps
+#                stream trains), K chosen so that both arms see about BUDGET steps (the size's train_steps)
 #   PHASE=bench  benchmarks/bench_stream.py at that world's size: producer alone, trainer alone, both together
-#   PHASE=quick  one call: the GPU world's shapes with its targets and the K2 drafter trained a few steps only
+#   PHASE=quick  one call: the world's shapes with its targets and the K2 drafter trained a few steps only
 #                (throughput does not depend on the weights), then PHASE=bench with REUSE (default 8) passes
-# Needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
+# SIZE=gpu needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
 set -uo pipefail
-source "$(dirname "$0")/device_setup.sh"  # wheels, ShareGPT, $OUT, the GPU name
-ROOT=$PWD/runs/gpu
-WORLD=(demo_size=gpu "paths.root=$ROOT" "+mini_world.source=$PWD/runs/sharegpt.json" wandb.mode=disabled)
-LIMIT=${LIMIT:-540}; W=${W:-128}; BUDGET=${BUDGET:-500}
+SIZE=${SIZE:-gpu}
+if [ "$SIZE" = gpu ]; then
+  source "$(dirname "$0")/device_setup.sh"  # wheels, ShareGPT, $OUT, the GPU name
+  PY=${PY:-python3}; SRC=("+mini_world.source=$PWD/runs/sharegpt.json"); DEV=(target.device_map=cuda)
+  W=${W:-128}; BUDGET=${BUDGET:-500}
+else
+  OUT=${OUT:-runs/online-$SIZE}; mkdir -p "$OUT"; PY=${PY:-.venv/bin/python}; SRC=(); DEV=()
+  W=${W:-64}; BUDGET=${BUDGET:-40}
+fi
+ROOT=$PWD/runs/online-world-$SIZE
+WORLD=(demo_size=$SIZE "paths.root=$ROOT" "${SRC[@]}" wandb.mode=disabled)
+LIMIT=${LIMIT:-540}
 
 # K (epochs = passes per window) and the step budget both arms finish within, from the world's own store
 plan() {
-  python3 - "$ROOT" "$W" "$BUDGET" <<'EOF'
+  $PY - "$W" "$BUDGET" "${WORLD[@]}" <<'EOF'
 import json, sys
 from eagle3.config.conf import compose, to_schema
+from eagle3.config.schema.learning_ab import LearningABConfig
 from eagle3.config.schema.train import TrainConfig
 from train.inputs import open_inputs
 from train.spool_source import make_stream
 from train.trainer import stream_items, total_steps
-root, W, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-base = [f"paths.root={root}", "target=k25_mini", "+init=scratch", "max_steps=1000000", "optim.lr=5e-4"]
+W, budget = int(sys.argv[1]), int(sys.argv[2])
+ab = to_schema(compose("learning_ab", sys.argv[3:]), LearningABConfig)
+base = [f"paths.root={ab.paths.root}", "target=k25_mini", "+init=scratch", *ab.overrides.train, "max_steps=1000000"]
 def steps(extra):
     cfg = to_schema(compose("train", base + extra), TrainConfig)
     inputs = open_inputs(cfg)
@@ -39,7 +50,7 @@ EOF
 
 # the world of PHASE=world with every training cut to a few steps (the cut keys replace the size's own)
 quick_world() {
-  timeout "$LIMIT" python3 - "${WORLD[@]}" train_steps=20 <<'EOF' 2>&1 | tee -a "$OUT/world.log"
+  timeout "$LIMIT" $PY - "${WORLD[@]}" train_steps=20 <<'EOF' 2>&1 | tee -a "$OUT/world.log"
 import sys
 from eagle3.config.conf import compose, to_schema
 from eagle3.config.schema.learning_ab import LearningABConfig
@@ -53,9 +64,9 @@ EOF
 }
 
 bench() {
-  timeout "$LIMIT" python3 benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
+  timeout "$LIMIT" $PY benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
       --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$1" --chunk "${CHUNK:-32}" --warm-trainer \
-      --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 target.device_map=cuda \
+      --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 "${DEV[@]}" \
       --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
           optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
       2>&1 | tee -a "$OUT/bench.log"
@@ -67,7 +78,7 @@ quick)
   T0=$(date +%s); quick_world || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); echo "bench limit ${LIMIT}s"
   bench "${REUSE:-8}" ;;
 world)
-  timeout "$LIMIT" python3 - "${WORLD[@]}" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
+  timeout "$LIMIT" $PY - "${WORLD[@]}" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
 import sys
 from eagle3.config.conf import compose, to_schema
 from eagle3.config.schema.learning_ab import LearningABConfig
@@ -80,7 +91,7 @@ ab)
   plan > "$OUT/plan.json" || exit 1; cat "$OUT/plan.json"
   K=$(python3 -c "import json;print(json.load(open('$OUT/plan.json'))['k'])")
   T=$(python3 -c "import json;print(json.load(open('$OUT/plan.json'))['train_steps'])")
-  timeout "$LIMIT" python3 pipeline/run_learning_ab.py "${WORLD[@]}" 'seeds=[0,1,2]' curve.max_sequences=32 \
+  timeout "$LIMIT" $PY pipeline/run_learning_ab.py "${WORLD[@]}" 'seeds=[0,1,2]' curve.max_sequences=32 \
       "train_steps=$T" "out_dir=$ROOT/learning_ab_online" "stage_dir=$ROOT/stages/k25_mini/learning_ab_online" \
       "arms=[{name:epochs,train:[epochs=$K]},{name:windows,train:[data.order=windows,data.window_sequences=$W,data.reuse=$K]}]" \
       2>&1 | tee -a "$OUT/ab.log"
