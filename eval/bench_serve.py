@@ -38,7 +38,7 @@ REPORT, PRESET = "report.json", "cost_preset.json"
 
 def load_prompts(cfg: BenchServeConfig) -> list[list[int]]:
     from eagle3.formats.store import HiddenStateStore
-    from eval.stage import prompts_from_store
+    from eval.report import prompts_from_store
 
     store_dir = Path(cfg.capture_dir) / cfg.split
     if not (store_dir / MANIFEST).is_file():

@@ -144,7 +144,7 @@ class RealCheck:
     def __init__(self, eval_cfg, device: str, conf):
         from eagle3.target_model.target_io import load_target, read_text_config
         from eagle3.config.resolve import image_embeddings as resolve
-        from eval.stage import prompt_images_from_store, prompts_from_store
+        from eval.report import prompt_images_from_store, prompts_from_store
 
         self.conf = conf
         t = eval_cfg.target

@@ -259,7 +259,7 @@ def load_timings(out_dir: Path) -> list[dict]:
 
 
 def write_report(cfg, records: list[dict], out_dir: Path) -> Path:
-    from eval.stage import latencies_from_config
+    from eval.report import latencies_from_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

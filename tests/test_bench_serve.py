@@ -119,7 +119,7 @@ def test_bench_serve_recovers_the_cost_split_and_matches_the_replay(world, capsy
             assert (out / name).read_bytes()[:4] == b"\x89PNG"
         # the preset is what eval and study take
         preset = report["cost_preset"]
-        from eval.stage import latencies_from_config
+        from eval.report import latencies_from_config
         from eagle3.config.schema.eval import EvalConfig
         from eagle3.config.schema.study import StudyConfig
 

@@ -51,7 +51,7 @@ def test_the_study_prices_with_the_named_assumed_split_and_reports_the_flat_cycl
     from eagle3.config.conf import compose, to_schema
     from eagle3.engines.serve_costs import FLAT_OF, PRESETS
     from eagle3.config.schema.study import StudyConfig
-    from eval.stage import latencies_from_config
+    from eval.report import latencies_from_config
 
     lat = latencies_from_config(to_schema(compose("study", []), StudyConfig).cost)
     assert (lat.verify_ms, lat.verify_ms_per_token, lat.draft_step_ms) == (23.5, 1.5, 1.0)

@@ -15,7 +15,8 @@ from eagle3.replay.evaluate import EvalInputError
 from eagle3.config.schema.eval import EvalConfig
 from eagle3.formats.store import HiddenStateWriter
 from eagle3.target_model.target_io import load_target
-from eval.stage import latencies_from_config, run_eval
+from eval.report import latencies_from_config
+from eval.stage import run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
 
@@ -94,7 +95,7 @@ def test_run_eval_bad_inputs(world, tiny_k25_target, tmp_path):
 
 def test_cost_falls_back_to_the_teacher_forced_estimate_without_cycles():
     from eagle3.engines.serve_costs import ACCOUNT_8GPU_PCIE
-    from eval.stage import best_setting, cost_section
+    from eval.report import best_setting, cost_section
 
     knobs = [SpecKnobs(2, 1, 3)]
     nan = float("nan")

@@ -47,7 +47,7 @@ def test_shell_rendering_is_copy_pasteable():
 
 
 def test_choice_from_the_eval_stage_best_setting():
-    """The shape eval/stage.py writes (`best_setting`)."""
+    """The shape eval/report.py writes (`best_setting`)."""
     report = {"best": {"label": "3/1/4", "num_steps": 3, "topk": 1, "num_draft_tokens": 4, "accept_length": 2.9,
                        "speedup": 1.31, "predicted_tok_s": 107.4, "baseline_tok_s": 82.0,
                        "break_even_accept_length": 2.2, "wins": True, "verdict": "predicted to beat no speculation"}}

@@ -18,7 +18,8 @@ from eagle3.config.schema.eval import EvalConfig
 from eagle3.config.schema.train import TrainConfig
 from eagle3.formats.store import HiddenStateStore, HiddenStateWriter
 from eagle3.target_model.target_io import load_target
-from eval.stage import prompts_from_store, run_eval
+from eval.report import prompts_from_store
+from eval.stage import run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
 from tests.fixtures.train_world import overrides, write_world

@@ -16,7 +16,8 @@ from eagle3.real_loop.tree import tree_speculative_decode
 from eagle3.config.schema.eval import EvalConfig
 from eagle3.formats.store import HiddenStateWriter
 from eagle3.target_model.target_io import load_target, text_model
-from eval.stage import prompt_images_from_store, run_eval
+from eval.report import prompt_images_from_store
+from eval.stage import run_eval
 from tests.fixtures.real_loop import AUX_H, new_drafter, prompts
 from tests.fixtures.tiny import TINY_TARGET_HIDDEN
 

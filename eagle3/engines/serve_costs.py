@@ -6,7 +6,7 @@ check a preset name here.
 A preset is either a name in PRESETS (the account's assumed server) or `measured:<file>`, a JSON file
 `make bench-serve` writes from a live server's timings (eval/bench_serve.py):
 {"format": FORMAT, "latencies": {Latencies fields}, "fit": {...}, ...}. The eval and study configs take
-either as `cost.preset` (eagle3/config/schema/eval.py CostConf), and eval/stage.py:latencies_from_config
+either as `cost.preset` (eagle3/config/schema/eval.py CostConf), and eval/report.py:latencies_from_config
 resolves it here.
 """
 from __future__ import annotations
