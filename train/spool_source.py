@@ -88,6 +88,7 @@ class SpoolStore:
         self.dir, self.spool = Path(root), Spool(root)
         self.timeout_s, self.status_s, self.main = timeout_s, status_s, main
         self.wait_s, self._chunks = 0.0, []  # the logged chunks, in order
+        self.opened_at = time.monotonic()  # the trainer's idle share counts from here: its first wait is before the loop
 
     @classmethod
     def waiter(cls, root, timeout_s: float, status_s: float) -> "SpoolStore":
@@ -205,8 +206,9 @@ class SpoolStore:
     def reclaim(self, world_size: int) -> int:
         return self.spool.reclaim(world_size)
 
-    def live(self, trainer_elapsed_s: float) -> dict:
-        return live_figures(self.spool.status() or {}, self.spool.used_bytes(), self.wait_s, trainer_elapsed_s)
+    def live(self) -> dict:
+        return live_figures(self.spool.status() or {}, self.spool.used_bytes(), self.wait_s,
+                            time.monotonic() - self.opened_at)
 
     def summary(self) -> dict:
         status = self.spool.status() or {}

@@ -172,7 +172,7 @@ class Trainer:
         if c.step % cfg.log_every == 0 or last:
             row = self.stats.summary(self.acc, lr=self.scheduler.get_last_lr()[0],
                                      epoch=c.position / max(1, self.epoch_batches))
-            live = self.spool.live(time.time() - self.t_start) if self.spool is not None and self.main else None
+            live = self.spool.live() if self.spool is not None and self.main else None
             if live is not None:  # capture tok/s, spool occupancy, both sides' idle share (wandb: stream/*)
                 row["stream"] = live
             self.metrics.log(c.step, row)
@@ -328,7 +328,7 @@ class Trainer:
                    **({"stream": {**self.spool.summary(), "tokens_trained": c.tokens_seen,
                                   "reuse_per_sequence": cfg.data.reuse,
                                   "train_tok_s": round(c.tokens_seen / max(seconds, 1e-9), 1),
-                                  "live_at_end": self.spool.live(time.time() - self.t_start)}}
+                                  "live_at_end": self.spool.live()}}
                       if self.spool is not None else {})}
         self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.stage.publish(cfg, staged=tmp, members=[FINAL],
