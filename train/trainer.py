@@ -34,6 +34,7 @@ from eagle3.formats.manifest import MANIFEST
 from eagle3.ttt.unroll import TTTObjective, step_position_counts
 from train import checkpointing as ckpt
 from train.batches import BatchStream, WindowedStream, make_loader
+from train.colocation import check_colocation
 from train.distributed import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
                                make_optimizer, make_scheduler, optimizer_name, optimizer_step, uses_fsdp)
 from train.inputs import TrainInputError
@@ -99,6 +100,9 @@ class Trainer:
             compile=resolved["compile"], attention_kernel=config.attention_kernel,
             image_embeddings=self.image_embeddings, image_token_id=inputs.train.image_token_id))
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
+        self.colocation = check_colocation(  # before the optimizer's state exists: a refusal costs nothing
+            config.data.producer_gpu_fraction, sum(p.numel() for p in self.params), self.drafter.embed_tokens.weight.shape[1],
+            config.data.max_tokens_per_batch, self.device, self.main)
         self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
         self.items = stream_items(config, inputs)  # what stream positions index (the store, or a spool)
         self.spool = self.items if isinstance(self.items, SpoolStore) else None
@@ -329,7 +333,8 @@ class Trainer:
                                   "reuse_per_sequence": cfg.data.reuse,
                                   "train_tok_s": round(c.tokens_seen / max(seconds, 1e-9), 1),
                                   "live_at_end": self.spool.live()}}
-                      if self.spool is not None else {})}
+                      if self.spool is not None else {}),
+                   **({"colocation": self.colocation} if self.colocation else {})}
         self.metrics.summary({k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.stage.publish(cfg, staged=tmp, members=[FINAL],
                            inputs={"capture": Path(cfg.capture_dir), "vocab": Path(cfg.vocab_dir)},

@@ -35,6 +35,11 @@ class TrainDataConf:
     # target, init and paths of this config and `producer_args` (more capture overrides: stream.max_gb=...)
     producer: str = "external"
     producer_args: List[str] = field(default_factory=list)
+    # The share of each of the trainer's GPUs the producer holds when both share them (vLLM's
+    # --gpu-memory-utilization; the hf producer's target on the trainer's device); null: the producer runs on
+    # other GPUs. Set, the trainer refuses to start when that share and its own need cannot fit
+    # (train/colocation.py).
+    producer_gpu_fraction: Optional[float] = None
 
     def resolved_order(self) -> str:
         """The one place data.order=auto is decided."""
@@ -54,6 +59,9 @@ class TrainDataConf:
         if self.source == "stream" and self.resolved_order() != "windows":
             raise ConfigError("data.source=stream trains window by window: data.order must be windows (or auto)")
         check_choice("data.producer", self.producer, ("external", "local"))
+        if self.producer_gpu_fraction is not None and not 0 < self.producer_gpu_fraction < 1:
+            raise ConfigError(f"data.producer_gpu_fraction={self.producer_gpu_fraction}: a share of the card, "
+                              f"between 0 and 1 (or null: the producer is on other GPUs)")
         if self.producer == "local" and self.source != "stream":
             raise ConfigError("data.producer=local starts a streaming producer: it needs data.source=stream")
         if self.window_sequences < 1 or self.reuse < 1 or self.stream_timeout_s <= 0:
