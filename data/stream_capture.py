@@ -25,7 +25,7 @@ from data.capture_backends import backend_for
 from data.capture_plan import CaptureError, plan_split
 from eagle3.formats.manifest import atomic_write_json, read_json
 from eagle3.config.watermarks import Watermarks
-from eagle3.formats.spool import PLAN, Spool, dir_bytes, must_pause
+from eagle3.formats.spool import PLAN, Spool, SpoolError, dir_bytes, must_pause
 from eagle3.formats.store import HiddenStateStore
 
 STREAM_SPLIT = "train"
@@ -75,8 +75,12 @@ class Producer:
         self.paused = False
         self.wait_s, self.pauses = float(before.get("wait_s", 0.0)), int(before.get("pauses", 0))
         self.disk_full, self.peak_bytes = int(before.get("disk_full", 0)), int(before.get("peak_bytes", 0))
-        self.tokens = sum(e["tokens"] for e in published)
-        self.sequences = sum(len(e["ids"]) for e in published)
+        captured = [e for e in published if "ref" not in e]  # what the target ran on (a ref line reuses a chunk)
+        self.tokens = sum(e["tokens"] for e in captured)
+        self.sequences = sum(len(e["ids"]) for e in captured)
+        self.kept = {e["chunk"]: e for e in published if e.get("keep")}  # first-pass chunks kept for later passes
+        self.cache_budget = int(cfg.stream.cache_first_pass_gb * 1e9)
+        self.cached_tokens = sum(e["tokens"] for e in published if "ref" in e)
         self.prior_s, self.t0 = float(before.get("elapsed_s", 0.0)), time.monotonic()
 
     def status(self, state: str, **extra) -> None:
@@ -103,6 +107,18 @@ class Producer:
             time.sleep(self.cfg.stream.poll_s)
         self.wait_s += time.monotonic() - t0
 
+    def cached_bytes(self) -> int:
+        return sum(e["bytes"] for e in self.kept.values())
+
+    def publish_ref(self, g: int, e: int, kept: dict) -> None:
+        """Log position g (pass e) is the kept first-pass chunk's sequences again."""
+        if not self.spool.chunk_dir(kept["chunk"]).is_dir():
+            raise SpoolError(f"{self.spool.root}: chunk {kept['chunk']}, kept for pass {e + 1}, is gone before its "
+                             f"last use ({kept['last_use']}): the spool is damaged; delete it and capture again")
+        self.spool.publish_ref(g, {"pass": e, "ref": kept["chunk"], "ids": kept["ids"], "lengths": kept["lengths"],
+                                   "skipped": kept["skipped"], "tokens": kept["tokens"], "bytes": 0})
+        self.cached_tokens += kept["tokens"]
+
     def run(self, backend, ds, seqs, setup, header: dict, dist: Dist, start: int) -> dict:
         cfg, C = self.cfg, self.cfg.stream.chunk_sequences
         per_pass = -(-len(seqs) // C)
@@ -111,6 +127,10 @@ class Producer:
         g = start
         while g < total:
             e, c = divmod(g, per_pass)
+            if e > 0 and c in self.kept:  # served from the first pass: no target time, no new bytes
+                self.publish_ref(g, e, self.kept[c])
+                g += 1
+                continue
             chunk = sorted(seqs[c * C:(c + 1) * C], key=lambda s: (-s.length, s.index))  # the backend's batching
             self.wait_for_room(g)
             self.status("capturing", chunk=g, of=total)
@@ -131,14 +151,19 @@ class Producer:
                 continue
             self.peak_bytes = max(self.peak_bytes, self.spool.used_bytes())  # published + this one complete
             store = HiddenStateStore(tmp, verify="none")
-            self.spool.publish(tmp, g, {"pass": e, "ids": store.ids, "lengths": store.lengths,
-                                        "skipped": manifest["skipped"], "tokens": manifest["num_tokens"],
-                                        "bytes": dir_bytes(tmp)})
+            entry = {"pass": e, "ids": store.ids, "lengths": store.lengths, "skipped": manifest["skipped"],
+                     "tokens": manifest["num_tokens"], "bytes": dir_bytes(tmp)}
+            if e == 0 and cfg.stream.recapture > 1 and self.cached_bytes() + entry["bytes"] <= self.cache_budget:
+                entry.update(keep=True, last_use=(cfg.stream.recapture - 1) * per_pass + c)
+            self.spool.publish(tmp, g, entry)
+            if entry.get("keep"):
+                self.kept[g] = {"chunk": g, **entry}
             self.tokens += manifest["num_tokens"]
             self.sequences += len(store)
             g += 1
         return {"chunks": total, "target_passes": cfg.stream.recapture, "tokens_captured": self.tokens,
-                "sequences_captured": self.sequences, "peak_bytes": self.peak_bytes, "cap_bytes": self.marks.cap,
+                "sequences_captured": self.sequences, "chunks_kept": len(self.kept),
+                "tokens_from_cache": self.cached_tokens, "peak_bytes": self.peak_bytes, "cap_bytes": self.marks.cap,
                 "producer_wait_s": round(self.wait_s, 3), "pauses": self.pauses, "disk_full": self.disk_full}
 
 

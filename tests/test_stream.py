@@ -446,3 +446,60 @@ def test_a_local_producer_that_fails_stops_the_trainer_naming_it(tmp_path, world
         run_train(train_config(world, tmp_path, tmp_path / "capture", "got", **{
             "data.source": "stream", "data.producer": "local",
             "data.producer_args": local_producer_args(targets, prepared, in_dir=tmp_path / "no-such-prepare")}))
+
+
+def test_a_kept_first_pass_chunk_goes_only_after_its_last_use_is_acknowledged(tmp_path):
+    spool = Spool(tmp_path / "s")
+    spool.root.mkdir()
+    for i, extra in enumerate([{"keep": True, "last_use": 2}, {}]):  # pass 0: chunk 0 kept for position 2
+        tmp = spool.new_tmp(i)
+        tmp.mkdir()
+        (tmp / "x").write_bytes(b"0" * 100)
+        spool.publish(tmp, i, {"ids": [f"s{i}"], "bytes": 100, **extra})
+    spool.publish_ref(2, {"ref": 0, "ids": ["s0"], "bytes": 0})  # pass 1 of chunk 0: no directory of its own
+    assert not spool.chunk_dir(2).exists() and spool.used_bytes() == 200
+    spool.ack(0, 2)  # positions 0 and 1 trained: chunk 1 goes, chunk 0 is still to be read at position 2
+    assert spool.reclaim(world_size=1) == 1 and spool.chunk_dir(0).is_dir() and not spool.chunk_dir(1).exists()
+    spool.ack(0, 3)
+    assert spool.reclaim(world_size=1) == 1 and spool.used_bytes() == 0
+
+
+def test_cache_first_pass_serves_later_passes_from_kept_chunks_with_the_same_bits(tmp_path, world, targets,  # noqa: F811
+                                                                                  prepared):
+    """stream.cache_first_pass_gb with recapture=2: the first pass's chunks that fit the budget are kept and
+    read again for the second pass instead of running the target; the rest is captured again. The drafter
+    trains the same bits as on a stream that captured both passes, the target runs on fewer tokens, and every
+    chunk (kept ones included) is freed by the end."""
+    both = run_stream_capture(stream_capture_config(tmp_path / "both", targets, prepared, max_gb=1.0, recapture=2),
+                              Dist())
+    sizes = [e["bytes"] for e in Spool(both).chunks() if e["pass"] == 0]  # capture is deterministic: the same
+    budget = (sizes[0] + sizes[1] + min(sizes[2:]) - 1) / 1e9  # room for the first two chunks and no other
+    cached = run_stream_capture(stream_capture_config(tmp_path / "cached", targets, prepared, max_gb=1.0,
+                                                      recapture=2, cache_first_pass_gb=budget), Dist())
+    full, log = Spool(both).chunks(), Spool(cached).chunks()
+    half = len(log) // 2
+    kept = [e["chunk"] for e in log[:half] if e.get("keep")]
+    assert kept == [0, 1] and all(log[c]["last_use"] == half + c for c in kept)
+    assert [e.get("ref") for e in log[half:]] == [0, 1] + [None] * (half - 2)
+    assert not Spool(cached).chunk_dir(half).exists() and Spool(cached).chunk_dir(half + 2).is_dir()
+    assert [e["ids"] for e in log] == [e["ids"] for e in full]
+    end = Spool(cached).end()
+    assert end["tokens_from_cache"] == log[0]["tokens"] + log[1]["tokens"]
+    assert end["tokens_captured"] + end["tokens_from_cache"] == Spool(both).end()["tokens_captured"]
+    runs = {name: run_train(train_config(world, tmp_path, spool.parent, name, **{"data.source": "stream",
+                                                                               "data.reuse": 1}))
+            for name, spool in (("both", both), ("cached", cached))}
+    a, b = final_weights(runs["both"]), final_weights(runs["cached"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    m = json.loads((runs["cached"] / "manifest.json").read_text())["stream"]
+    assert m["chunks_kept"] == 2 and m["tokens_from_cache"] == end["tokens_from_cache"] and m["target_passes"] == 2
+    assert not list(cached.glob("chunk-*"))  # the kept chunks too, once their last use was acknowledged
+
+
+@pytest.mark.parametrize("over, match", [({"recapture": 1, "cache_first_pass_gb": 0.5}, "there is none"),
+                                         ({"recapture": 2, "cache_first_pass_gb": 0.8}, "no room below the low")])
+def test_cache_first_pass_settings_that_cannot_work_are_refused(over, match):
+    from eagle3.config.conf import ConfigError
+    from eagle3.config.schema.capture import StreamConf
+    with pytest.raises(ConfigError, match=match):
+        StreamConf(enabled=True, max_gb=1.0, low=0.7, **over).validate()

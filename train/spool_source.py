@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from eagle3.formats.manifest import read_json
-from eagle3.formats.spool import PLAN, Spool, SpoolError
+from eagle3.formats.spool import PLAN, Spool, SpoolError, last_use, stored_in
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.batches import BatchStream, WindowedStream
 from train.input_errors import TrainInputError
@@ -175,7 +175,7 @@ class SpoolStore:
         if p >= self._starts[-1]:
             raise IndexError(f"stream position {p} past the end of the stream ({self._starts[-1]} sequences)")
         c = bisect.bisect_right(self._starts, p) - 1
-        chunk = self._chunks[c]["chunk"]
+        chunk = stored_in(self._chunks[c])  # a later pass served from a kept first-pass chunk reads that one
         try:
             if chunk not in self._open:  # kept open until released: a window shuffles across chunks, and a
                 # reopened store would hash its shard again (verify=sha256 hashes each shard once per open)
@@ -199,8 +199,8 @@ class SpoolStore:
     def release(self, rank: int, stream_position: int | None) -> None:
         """Rank `rank` needs no chunk wholly before `stream_position` (None: none at all) any more."""
         done = self.chunks_before(stream_position)
-        for e in self._chunks[:done]:
-            self._open.pop(e["chunk"], None)
+        for k in [k for k in self._open if last_use(self._chunks[k]) < done]:
+            del self._open[k]
         self.spool.ack(rank, done)
 
     def reclaim(self, world_size: int) -> int:
@@ -215,8 +215,9 @@ class SpoolStore:
         end = self.spool.end() or {}
         return {"spool": str(self.dir), "chunks_seen": len(self._chunks), "stream_complete": self._ended,
                 "trainer_wait_s": round(self.wait_s, 3), "target_passes": self.plan["recapture"],
-                **{k: end.get(k, status.get(k)) for k in ("tokens_captured", "peak_bytes", "cap_bytes",
-                                                          "producer_wait_s", "pauses", "disk_full")}}
+                **{k: end.get(k, status.get(k)) for k in ("tokens_captured", "tokens_from_cache", "chunks_kept",
+                                                          "peak_bytes", "cap_bytes", "producer_wait_s", "pauses",
+                                                          "disk_full")}}
 
 
 class StoreWindows:

@@ -10,13 +10,16 @@ Layout of a spool directory:
     log.jsonl          one line per published chunk (ids, lengths, skips, bytes), appended and fsynced
                        AFTER the chunk directory is renamed into place: the log line is the done marker;
                        a last line without its newline is a torn write and ignored. An `end` line last.
+                       With stream.cache_first_pass_gb, a first-pass line may say `keep` and `last_use` (the
+                       log position of the last pass's line that reads it), and a later pass's line may say
+                       `ref: c` instead of having a directory: its sequences are chunk c's, not captured again.
     acks/rank-R.json   {"chunks": n}: rank R no longer needs chunks < n (monotonic)
     producer.json      the producer's status: pid, state, heartbeat, bytes, waits (rewritten atomically)
 
 Backpressure is hysteresis on the bytes on disk (`must_pause`): above the high watermark the producer
 waits, and starts again only below the low one; it checks before each chunk, so the disk high-water mark
 is at most high + one chunk in flight per producer (<= cap + one chunk). A chunk is deleted (renamed
-aside, then removed) only once every rank's ack covers it.
+aside, then removed) only once every rank's ack covers it, or, for a kept chunk, covers its last use.
 """
 from __future__ import annotations
 
@@ -41,6 +44,16 @@ class SpoolError(StageError, RuntimeError):
 def must_pause(used: int, marks: Watermarks, paused: bool) -> bool:
     """Hysteresis: a running producer pauses above `high`; a paused one resumes only at or below `low`."""
     return used > marks.low if paused else used > marks.high
+
+
+def stored_in(entry: dict) -> int:
+    """The chunk whose directory holds a log line's sequences (itself, or the kept chunk it refers to)."""
+    return entry.get("ref", entry["chunk"])
+
+
+def last_use(entry: dict) -> int:
+    """The log position after whose acknowledgement a chunk's directory may go."""
+    return entry.get("last_use", entry["chunk"])
 
 
 def chunk_name(i: int) -> str:
@@ -143,6 +156,10 @@ class Spool:
         _fsync_dir(self.root)
         self._append({"chunk": i, **entry})
 
+    def publish_ref(self, i: int, entry: dict) -> None:
+        """Log position i reads a kept chunk's directory (entry["ref"]); nothing is written but the line."""
+        self._append({"chunk": i, **entry})
+
     def finish(self, **fields) -> None:
         self._append({"end": True, **fields})
 
@@ -174,12 +191,12 @@ class Spool:
             atomic_write_json(self.root / ACKS / f"rank-{rank}.json", {"chunks": int(chunks)})
 
     def reclaim(self, world_size: int) -> int:
-        """Delete the chunks every rank has acknowledged; returns how many went."""
+        """Delete the chunks every rank has acknowledged (a kept one: up to its last use); returns how many went."""
         done = min(self.acked(r) for r in range(world_size))
         gone = 0
         for e in self.chunks():
             d = self.chunk_dir(e["chunk"])
-            if e["chunk"] < done and d.is_dir():
+            if last_use(e) < done and d.is_dir():
                 aside = self.root / f"{DELETING}{e['chunk']:06d}"
                 os.rename(d, aside)  # gone from readers at once; removed below (or by recovery)
                 shutil.rmtree(aside)

@@ -26,6 +26,10 @@ class StreamConf:
     low: float = 0.7                  # ... resume at or below low x max_gb
     chunk_sequences: int = 64         # sequences per published chunk (the unit of writing, acking, deleting)
     recapture: int = 1                # passes of the target over the prompts (peers re-capture per epoch)
+    # With recapture >= 2: keep up to this many GB of the first pass's chunks on the spool, and serve the later
+    # passes of those chunks from them instead of running the target again (the rest is captured each pass).
+    # Counts against max_gb, so it must leave room below the low watermark for the windows being trained.
+    cache_first_pass_gb: float = 0.0
     poll_s: float = 0.5               # how often a paused producer looks again
 
     def validate(self) -> None:
@@ -35,6 +39,15 @@ class StreamConf:
             raise ConfigError(str(e)) from None
         if self.chunk_sequences < 1 or self.recapture < 1 or self.poll_s <= 0:
             raise ConfigError("stream: chunk_sequences >= 1, recapture >= 1, poll_s > 0")
+        if self.cache_first_pass_gb < 0:
+            raise ConfigError(f"stream.cache_first_pass_gb={self.cache_first_pass_gb}: must be >= 0")
+        if self.cache_first_pass_gb > 0 and self.recapture < 2:
+            raise ConfigError(f"stream.cache_first_pass_gb={self.cache_first_pass_gb:g} serves passes 2.. of "
+                              f"stream.recapture from the first; with recapture={self.recapture} there is none")
+        if self.cache_first_pass_gb >= self.low * self.max_gb:
+            raise ConfigError(f"stream.cache_first_pass_gb={self.cache_first_pass_gb:g} leaves no room below the low "
+                              f"watermark ({self.low:g} x stream.max_gb={self.max_gb:g} = {self.low * self.max_gb:g} "
+                              f"GB) for the windows being trained; lower it or raise stream.max_gb")
 
 
 @dataclass
