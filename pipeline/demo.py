@@ -10,7 +10,9 @@ Is a K2 drafter a good start for K2.5? The demo
   4. evaluates all three, exports the best, and prints / writes the comparison table, with accept length
      on text vs image traffic (k25-mini sees; its corpus holds image conversations);
   5. when the K2.5 validation data has image traffic: the convention-mismatch cost
-     (pipeline/image_traffic.py: the from-K2 init trained fused and placeholder, each served both ways).
+     (pipeline/image_traffic.py: the from-K2 init trained fused and placeholder, each served both ways);
+  6. one short online run: the from-K2 init trained through a capped spool its own producer fills
+     (pipeline/online_demo.py, `make train-online`).
 Every stage runs through its own `run_<stage>(typed config)`, composed from `conf/<stage>.yaml`
 exactly as its entry script would; each stage reuses its finished output when its manifest
 matches, so a rerun is quick.
@@ -37,6 +39,7 @@ from data.vocab import run_vocab
 from eval.stage import run_eval
 from export.stage import run_export
 from pipeline import image_traffic
+from pipeline.online_demo import online_section, run_online
 from train.stage import run_train
 
 # every stage the orchestrators run: the function its entry script calls, with the same typed config
@@ -235,6 +238,8 @@ def run_demo(cfg) -> Path:
         mm = image_traffic.run_mismatch(log, k25, steps, list(ov.eval), train_dirs[image_traffic.MISMATCH_INIT],
                                         reports[image_traffic.MISMATCH_INIT])
         mismatch = image_traffic.mismatch_rows(mm, labels[0])
+    online = run_online(log, k25, steps, ["overwrite=true", *ov.capture]) \
+        if cfg.online_run else None
     vocab_report = json.loads((exp.vocab_dir / "report.json").read_text())
     # is each side's traffic language (issue 44)? measured on what its drafter trained on
     traffic_by_side = {side: traffic.prepared_figures(d) for side, d in exp.prepared.items()}
@@ -242,10 +247,11 @@ def run_demo(cfg) -> Path:
     out_dir = Path(cfg.out_dir)
     summary = {"rows": rows, "best": best, "lossless": all_lossless(reports), "export_dir": str(export_dir), "stage_seconds": log.rows,
                "total_seconds": total, "vocab": vocab_report, "image_sequences": image_traffic.image_sequences(
-                   reports["aqmedai_k2"]), "mismatch": mismatch, "traffic": traffic_by_side}
+                   reports["aqmedai_k2"]), "mismatch": mismatch, "traffic": traffic_by_side,
+               "online": online}
     atomic_write_json(out_dir / "report.json", summary)
     text = render_report(rows, best, export_dir, log, total, vocab_report, all_lossless(reports), mismatch,
-                         traffic_by_side)
+                         traffic_by_side, online)
     atomic_write_bytes(out_dir / "report.md", text.encode())
     print("\n" + text)
     return out_dir
@@ -261,7 +267,8 @@ def mismatch_section(mismatch: Optional[list[dict]]) -> str:
 
 
 def render_report(rows, best, export_dir, log: StageLog, total: float, vocab_report: dict, lossless: bool,
-                  mismatch: Optional[list[dict]] = None, traffic_by_side: Optional[dict] = None) -> str:
+                  mismatch: Optional[list[dict]] = None, traffic_by_side: Optional[dict] = None,
+                  online: Optional[dict] = None) -> str:
     stage_lines = "\n".join(f"| {label} | {sec:.1f} |" for label, sec, _ in log.rows)
     cmp = vocab_report.get("init_comparison") or {}
     vocab_line = (f"K2.5 draft vocab ({vocab_report.get('draft_vocab_size')} tokens) covers "
@@ -279,6 +286,7 @@ def render_report(rows, best, export_dir, log: StageLog, total: float, vocab_rep
             f"the export engine feeds them, SGLang: fused). Real speculative loops lossless (output == the target's "
             f"greedy decode): {lossless}.\n\nBest: **{best}**, exported to `{export_dir}`.\n\n"
             f"{mismatch_section(mismatch)}"
+            f"{online_section(online)}"
             f"{vocab_line}.\n\n"
             + "".join(f"Traffic (prepared loss tokens), {traffic.format_figures(side, f)}.\n"
                       for side, f in (traffic_by_side or {}).items())

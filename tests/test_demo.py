@@ -58,6 +58,13 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     assert json.loads((tmp_path / "stages" / "k25_mini" / "train-aqmedai_k2-placeholder" / "final" / "config.json")
                       .read_text())["eagle3_image_embeddings"] == "placeholder"
     assert "## Image rows: trained with one convention" in (Path(out) / "report.md").read_text()
+    # issue 43: one short online run, its own producer filling a spool capped below the offline store
+    on = report["online"]
+    assert on["cap_bytes"] < on["offline_store_bytes"] and 0 < on["peak_bytes"]
+    assert on["tokens_trained"] == on["reuse_per_sequence"] * on["tokens_captured"] > 0 and on["steps"] > 0
+    assert "train-online" in manifests and not list((tmp_path / "stages" / "k25_mini" / "capture-online" /
+                                                      "spool").glob("chunk-*"))  # every chunk freed
+    assert "## Online: the from-K2 run through a capped spool" in (Path(out) / "report.md").read_text()
     # a rerun reuses every finished stage
     again = run_demo(cfg)
     rerun = json.loads((Path(again) / "report.json").read_text())

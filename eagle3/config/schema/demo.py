@@ -91,6 +91,8 @@ class DemoConfig(ForwardedSettings):
     # with image traffic in the K2.5 validation split: the from-K2 init trained image_embeddings=placeholder too
     # and both replayed under both conventions (pipeline/image_traffic.py: one extra train run, three replays)
     image_mismatch: bool = True
+    # one short online run: the from-K2 init trained through a capped spool (pipeline/online_demo.py)
+    online_run: bool = True
 
     def validate(self) -> None:
         forward_settings(self, {"mini_world.seed": "use seed=<world seed>", "train.max_steps": "use train_steps=<n>"})
