@@ -93,7 +93,7 @@ ab)
   T=$(python3 -c "import json;print(json.load(open('$OUT/plan.json'))['train_steps'])")
   timeout "$LIMIT" $PY pipeline/run_learning_ab.py "${WORLD[@]}" 'seeds=[0,1,2]' curve.max_sequences=32 \
       "train_steps=$T" "out_dir=$ROOT/learning_ab_online" "stage_dir=$ROOT/stages/k25_mini/learning_ab_online" \
-      "arms=[{name:epochs,train:[epochs=$K]},{name:windows,train:[data.order=windows,data.window_sequences=$W,data.reuse=$K]}]" \
+      "arms=[{name:epochs,train:['epochs=$K']},{name:windows,train:['data.order=windows','data.window_sequences=$W','data.reuse=$K']}]" \
       2>&1 | tee -a "$OUT/ab.log"
   tar czf "$OUT/ab_report.tgz" -C "$ROOT" learning_ab_online 2>/dev/null ;;
 bench)
