@@ -8,7 +8,7 @@ write are `.tmp-*` directories, deleted on the next start. A checkpoint whose fi
 `checkpoint.json` (truncated / bit-flipped) is refused with its path named. Only rank 0 writes.
 
 Resume: a checkpoint records the run key of the run that wrote it (config less the keys that may
-change between a run and its continuation, input fingerprints, world size); `find_resume_point`
+change between a run and its continuation, input fingerprints, world size); `resume_point`
 returns the newest checkpoint's state only when this run's key equals it, and names the differences
 otherwise.
 """
@@ -24,7 +24,6 @@ import torch
 
 from eagle3.formats.checkpoints import (STATE_FILE, CheckpointError, latest_checkpoint, list_checkpoints, load_training_state,
                                         read_checkpoint_weights, step_dir_name, write_file_index)
-from eagle3.config.conf import as_plain_dict
 
 # Config keys that may change between a run and its resumption (length, logging, I/O knobs).
 RESUMABLE_CHANGES = ("max_steps", "epochs", "log_every", "val_every", "val_max_batches", "checkpoint_every",
@@ -120,25 +119,25 @@ def remove_partial_checkpoints(ckpt_root: Path) -> list[str]:
     return gone
 
 
-def run_key(config, fingerprints: dict, world_size: int) -> dict:
-    """What must be equal for a checkpoint to be resumed by this config."""
-    cfg = as_plain_dict(config)
-    for k in RESUMABLE_CHANGES:
-        cfg.pop(k, None)
+def run_key(plain_config: dict, fingerprints: dict, world_size: int) -> dict:
+    """What must be equal for a checkpoint to be resumed by this config (as a plain dict, as_plain_dict)."""
+    cfg = {k: v for k, v in plain_config.items() if k not in RESUMABLE_CHANGES}
     cfg["data"] = {k: v for k, v in cfg["data"].items() if k not in ("num_workers", "verify")}
     return {"config": cfg, "inputs": fingerprints, "world_size": world_size}
 
 
-def find_resume_point(ckpt_root: Path, key: dict, main: bool) -> Optional[dict]:
-    """The newest checkpoint's training state plus its weights (`"model"`), or None to start fresh.
-    Rank 0 first deletes leftovers of killed writes. Refuses a checkpoint of another run key."""
+def resume_point(ckpt_root: Path, plain_config: dict, fingerprints: dict, world_size: int,
+                 main: bool) -> tuple[dict, Optional[dict]]:
+    """(this run's key, the newest checkpoint's training state plus its weights (`"model"`), or None to start
+    fresh). Rank 0 first deletes leftovers of killed writes. Refuses a checkpoint of another run key."""
+    key = run_key(plain_config, fingerprints, world_size)
     if main:
         gone = remove_partial_checkpoints(ckpt_root)
         if gone:
             print(f"[train] removed unfinished checkpoint writes: {gone}")
     latest = latest_checkpoint(ckpt_root)
     if latest is None:
-        return None
+        return key, None
     state = load_training_state(latest[1])
     if state["run_key"] != key:
         diff = _key_diff(state["run_key"], key)
@@ -147,7 +146,7 @@ def find_resume_point(ckpt_root: Path, key: dict, main: bool) -> Optional[dict]:
     state["model"] = read_checkpoint_weights(latest[1])
     if main:
         print(f"[train] resuming from {latest[1]}")
-    return state
+    return key, state
 
 
 def _key_diff(a, b, prefix="") -> str:

@@ -1,9 +1,10 @@
 """What the train stage reads, opened and cross-checked before any work: the capture stage's
-stores, the vocab stage's mapping, the target's lm_head rows, and the drafter to start from.
+stores and the vocab stage's mapping (the drafter is checked against them where it is built:
+train/model_setup.py).
 
-Every mismatch is reported with the file and what to change: store hidden size / aux width /
-aux layers vs the drafter, the store's target vs the configured target (config sha), target
-vocab size vs t2d and the drafter, target_argmax ids outside the vocab, empty splits.
+Every mismatch is reported with the file and what to change: the splits' aux layers / hidden size
+against each other, the store's target vs the configured target (config sha), target vocab size vs
+t2d, empty splits.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from eagle3.engines import aux_layers
 from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.input_errors import TrainInputError  # noqa: F401 (its home; re-exported: train.inputs.TrainInputError)
@@ -130,31 +130,3 @@ def _check_target_of_capture(config, capture_manifest: dict, t2d: torch.Tensor, 
     if V is not None and int(V) != t2d.numel():
         raise TrainInputError(f"vocab stage's t2d covers {t2d.numel()} ids but the captured target's vocab is {V} "
                               f"({config.vocab_dir} vs {config.capture_dir}); rebuild the vocab for this target")
-
-
-def check_store_fits_drafter(store: HiddenStateStore, drafter, role: str) -> None:
-    """The store's widths and layers are the drafter's (fc input 3 x target H, hidden H, aux h)."""
-    cfg = drafter.config
-    problems = []
-    aux_width = len(store.hf_indices) * store.target_hidden_size
-    if aux_width != drafter.fc.in_features:
-        problems.append(f"aux width {len(store.hf_indices)} x {store.target_hidden_size} = {aux_width} != the "
-                        f"drafter's fc input {drafter.fc.in_features}")
-    if store.hidden_size != cfg.hidden_size:
-        problems.append(f"`last` width (target hidden) {store.hidden_size} != drafter hidden_size {cfg.hidden_size}")
-    differ = aux_layers.reading_mismatch(cfg.aux_hf_indices, store.hf_indices)
-    if differ:
-        problems.append(differ)
-    if problems:
-        raise TrainInputError(f"{role} store {store.dir} does not fit the drafter: " + "; ".join(problems)
-                              + ". Recapture with the drafter's settings or pick the matching init.")
-
-
-def check_vocab_fits_drafter(d2t: torch.Tensor, t2d: torch.Tensor, drafter, vocab_dir) -> None:
-    cfg = drafter.config
-    if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-        raise TrainInputError(f"{vocab_dir}/{VOCAB_FILE}: d2t [{d2t.numel()}] / t2d [{t2d.numel()}] do not fit the "
-                              f"drafter (draft_vocab_size {cfg.draft_vocab_size}, vocab_size {cfg.vocab_size})")
-    if not torch.equal(drafter.d2t.cpu(), d2t) or not torch.equal(drafter.t2d.cpu(), t2d):
-        raise TrainInputError(f"the drafter's d2t/t2d differ from {vocab_dir}/{VOCAB_FILE}: the init must install "
-                              f"the vocab stage's mapping (and move lm_head rows accordingly)")

@@ -13,34 +13,55 @@ from eagle3.drafter.image_embeddings import CONFIG_KEY, check_convention
 from eagle3.drafter.initial import build_training_drafter
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.drafter.vocab_map import ids_from_d2t
-from train.inputs import TrainInputError, check_store_fits_drafter, check_vocab_fits_drafter, open_inputs
+from train.inputs import VOCAB_FILE, TrainInputError, open_inputs
 
 
 def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
     """(fp32 drafter on CPU, report). The report carries `lm_head_rows` [draft_V, H]: the target's
-    lm_head rows of the draft vocab, read once from the checkpoint (the teacher)."""
+    lm_head rows of the draft vocab, read once from the checkpoint with the rest of the target (the teacher)."""
     store = inputs.train
-    new_ids = ids_from_d2t(inputs.d2t)
     try:
         drafter, report = build_training_drafter(
-            config.init.name, config.init.drafter_path, config.target.path, config.target.layout, new_ids,
-            hf_indices=store.hf_indices, new_row_init=config.init.new_row_init, dtype="float32",
-            aux_id_rule=config.init.aux_id_rule, seed=config.seed)
+            config.init.name, config.init.drafter_path, config.target.path, config.target.layout,
+            ids_from_d2t(inputs.d2t), hf_indices=store.hf_indices, new_row_init=config.init.new_row_init,
+            dtype="float32", aux_id_rule=config.init.aux_id_rule, seed=config.seed)
     except (ValueError, target_io.TargetError) as e:
         raise TrainInputError(f"cannot build the init={config.init.name} drafter: {e}") from e
     text = target_io.read_text_config(config.target.path, config.target.layout)
     warnings = assert_compatible(drafter.config, text, store.hf_indices, d2t=drafter.d2t, t2d=drafter.t2d)
     report["compatibility"] = [str(w) for w in warnings]
-    check_vocab_fits_drafter(inputs.d2t, inputs.t2d, drafter, config.vocab_dir)
-    for s, role in ((store, "train"), (inputs.val, "validation")):
-        if s is not None:
-            check_store_fits_drafter(s, drafter, role)
-    rows = target_io.load_lm_head_rows(config.target.path, config.target.layout, new_ids)
-    if tuple(rows.shape) != (drafter.config.draft_vocab_size, store.hidden_size):
-        raise TrainInputError(f"target lm_head rows {tuple(rows.shape)} do not match the draft vocab x store hidden "
-                              f"({drafter.config.draft_vocab_size} x {store.hidden_size})")
-    report["lm_head_rows"] = rows
+    check_fits_drafter(inputs, drafter, report["lm_head_rows"], config.vocab_dir)
     return drafter, report
+
+
+def check_fits_drafter(inputs, drafter: Eagle3Drafter, lm_head_rows: torch.Tensor, vocab_dir) -> None:
+    """The inputs are the drafter's: the vocab stage's mapping is the one it installed, each store's widths are
+    its widths (fc input 3 x target H, hidden H; its aux layers against the store's are the compatibility
+    check's), and the teacher's rows are draft vocab x store hidden."""
+    cfg = drafter.config
+    d2t, t2d = inputs.d2t, inputs.t2d
+    if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
+        raise TrainInputError(f"{vocab_dir}/{VOCAB_FILE}: d2t [{d2t.numel()}] / t2d [{t2d.numel()}] do not fit the "
+                              f"drafter (draft_vocab_size {cfg.draft_vocab_size}, vocab_size {cfg.vocab_size})")
+    if not torch.equal(drafter.d2t.cpu(), d2t) or not torch.equal(drafter.t2d.cpu(), t2d):
+        raise TrainInputError(f"the drafter's d2t/t2d differ from {vocab_dir}/{VOCAB_FILE}: the init must install "
+                              f"the vocab stage's mapping (and move lm_head rows accordingly)")
+    for store, role in ((inputs.train, "train"), (inputs.val, "validation")):
+        if store is None:
+            continue
+        problems = []
+        aux_width = len(store.hf_indices) * store.target_hidden_size
+        if aux_width != drafter.fc.in_features:
+            problems.append(f"aux width {len(store.hf_indices)} x {store.target_hidden_size} = {aux_width} != the "
+                            f"drafter's fc input {drafter.fc.in_features}")
+        if store.hidden_size != cfg.hidden_size:
+            problems.append(f"`last` width (target hidden) {store.hidden_size} != drafter hidden_size {cfg.hidden_size}")
+        if problems:
+            raise TrainInputError(f"{role} store {store.dir} does not fit the drafter: " + "; ".join(problems)
+                                  + ". Recapture with the drafter's settings or pick the matching init.")
+    if tuple(lm_head_rows.shape) != (cfg.draft_vocab_size, inputs.train.hidden_size):
+        raise TrainInputError(f"target lm_head rows {tuple(lm_head_rows.shape)} do not match the draft vocab x store "
+                              f"hidden ({cfg.draft_vocab_size} x {inputs.train.hidden_size})")
 
 
 def init_drafter(config) -> Eagle3Drafter:

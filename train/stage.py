@@ -14,35 +14,27 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eagle3.config.resolve import train_choices
 from eagle3.stage_dir import StageDir
-from train.distributed import make_accelerator, prefer_expandable_segments, uses_fsdp
 from train.input_errors import TrainInputError
 from train.inputs import open_inputs
 from train.local_producer import local_producer
+from train.setup import train_setup
 from train.trainer import FINAL, Trainer, init_fingerprint
 
 log = logging.getLogger(__name__)
 
 
 def run_train(config) -> Path:
-    out = Path(config.out_dir)
-    resolved = train_choices(config)  # every auto of this run, once (eagle3/config/resolve.py)
-    prefer_expandable_segments()  # before anything touches CUDA
-    accelerator = make_accelerator(config, resolved["precision"])
-    main = accelerator.is_main_process
-    if config.fsdp and not uses_fsdp(accelerator) and main:
-        print(f"[train] fsdp=true but accelerate runs {accelerator.distributed_type} here (FSDP needs several "
-              f"GPUs): training without sharding")
-    stage = StageDir(out, "train", TrainInputError)
-    with local_producer(config, main):  # data.producer=local: the streaming producer, for the run's span
+    setup = train_setup(config)  # the autos, the accelerator, the plain config: once (train/setup.py)
+    stage = StageDir(setup.out, "train", TrainInputError)
+    with local_producer(config, setup.main):  # data.producer=local: the streaming producer, for the run's span
         inputs = open_inputs(config)
         for w in inputs.warnings:
             log.warning(w)
         # train's own rule: the same init drafter (its weights' fingerprint), beside the input stages'
-        if stage.reused({"config": config, "init_fingerprint": init_fingerprint(config)},
+        if stage.reused({"config": setup.plain, "init_fingerprint": init_fingerprint(config)},
                         needs=[f"{FINAL}/config.json"], inputs=inputs.fingerprints):
-            if main:
-                print(f"[train] {out} already holds a finished run with this config and inputs: reused")
-            return out
-        return Trainer(config, accelerator, inputs, resolved, stage).run()
+            if setup.main:
+                print(f"[train] {setup.out} already holds a finished run with this config and inputs: reused")
+            return setup.out
+        return Trainer(setup, inputs, stage).run()

@@ -26,7 +26,6 @@ import torch
 from accelerate.utils import gather_object
 
 from eagle3 import hooks
-from eagle3.config.conf import as_plain_dict
 from eagle3.errors import StageError
 from eagle3 import fingerprints as fp
 from eagle3.drafter.image_embeddings import rows_problem
@@ -36,12 +35,13 @@ from train import checkpointing as ckpt
 from train.batches import BatchStream, WindowedStream, make_loader
 from train.colocation import check_colocation
 from train.distributed import (clip_gradients, full_model_state, full_optimizer_state, load_optimizer_state,
-                               make_optimizer, make_scheduler, optimizer_name, optimizer_step, uses_fsdp)
+                               make_optimizer, make_scheduler, optimizer_name, optimizer_step)
 from train.inputs import TrainInputError
 from train.metrics import MetricsLogger
 from train.model_setup import build_drafter, drafter_from_state, write_drafter_dir
 from train.prefetch import DevicePrefetcher
 from train.progress import StepStats, progress_bar
+from train.setup import TrainSetup
 from train.spool_source import SpoolStore, StoreWindows, live_postfix, make_stream, planned_stream
 from train.validate import run_validation, simulated_accept_length
 
@@ -73,47 +73,49 @@ class RunCounters:
 class Trainer:
     """A run set up to start or to resume (by `train/stage.py` `run_train`, after its reuse check);
     `run()` trains to the last step and publishes `final/` through `stage` (eagle3/stage_dir.py).
-    `resolved`: the config's autos, resolved once (eagle3/config/resolve.py train_choices)."""
+    `setup`: what the run reads of its config and of where it runs, once (train/setup.py)."""
 
-    def __init__(self, config, accelerator, inputs, resolved: dict, stage):
-        self.config, self.acc, self.inputs, self.resolved, self.stage = config, accelerator, inputs, resolved, stage
-        self.out = Path(config.out_dir)
-        self.main, self.fsdp, self.device = accelerator.is_main_process, uses_fsdp(accelerator), accelerator.device
+    def __init__(self, setup: TrainSetup, inputs, stage):
+        config, accelerator = setup.config, setup.accelerator
+        self.config, self.acc, self.inputs, self.resolved, self.stage = config, accelerator, inputs, setup.resolved, stage
+        self.out, self.main, self.fsdp, self.device = setup.out, setup.main, setup.fsdp, setup.device
         self.t_start = time.time()
-        self.image_embeddings = resolved["image_embeddings"]  # what image rows feed the drafter
+        self.image_embeddings = setup.resolved["image_embeddings"]  # what image rows feed the drafter
         for store in (inputs.train, inputs.val):  # fused needs the stores' fused rows (a vLLM capture has none)
             if store is not None and (problem := rows_problem(self.image_embeddings, store, config.image_embeddings)):
                 raise TrainInputError(problem)
-        self.drafter, self.report = build_drafter(config, inputs)  # compatibility checks run inside, before any work
-        self.key = ckpt.run_key(config, inputs.fingerprints, accelerator.num_processes)
+        # the model: the init drafter (checked against the inputs inside, before any work), or the checkpoint's
+        self.drafter, self.report = build_drafter(config, inputs)
         self.ckpt_root = self.out / "checkpoints"
-        resume = ckpt.find_resume_point(self.ckpt_root, self.key, self.main)
+        self.key, resume = ckpt.resume_point(self.ckpt_root, setup.plain, inputs.fingerprints, setup.world, self.main)
         self.resumed = resume is not None
         if resume is not None:
             drafter_from_state(self.drafter, resume["model"])
-        torch.manual_seed(config.seed + 1000 * accelerator.process_index)
+        torch.manual_seed(config.seed + 1000 * setup.rank)
         self.lm_head_rows = self.report.pop("lm_head_rows").to(self.device)
-        if resolved["precision"] == "bf16" and not self.fsdp:
+        if setup.resolved["precision"] == "bf16" and not self.fsdp:
             self.drafter.embed_tokens.to(torch.bfloat16)  # frozen and bf16 in the target anyway: half the memory
         self.objective = accelerator.prepare(TTTObjective(
-            self.drafter, config.ttt_length, config.step_decay, impl=resolved["unroll"],
-            compile=resolved["compile"], attention_kernel=config.attention_kernel,
+            self.drafter, config.ttt_length, config.step_decay, impl=setup.resolved["unroll"],
+            compile=setup.resolved["compile"], attention_kernel=config.attention_kernel,
             image_embeddings=self.image_embeddings, image_token_id=inputs.train.image_token_id))
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
-        self.colocation = check_colocation(  # before the optimizer's state exists: a refusal costs nothing
+        # the card holds trainer and producer: checked before the optimizer's state exists (a refusal costs nothing)
+        self.colocation = check_colocation(
             config.data.producer_gpu_fraction, sum(p.numel() for p in self.params), self.drafter.embed_tokens.weight.shape[1],
             config.data.max_tokens_per_batch, self.device, self.main)
-        self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
-        self.items = stream_items(config, inputs)  # what stream positions index (the store, or a spool)
+        # the data: what stream positions index (the store, or a spool), this rank's stream, the steps it gives
+        self.items = stream_items(config, inputs)
         self.spool = self.items if isinstance(self.items, SpoolStore) else None
-        rank, world = accelerator.process_index, accelerator.num_processes
-        self.stream = make_stream(config, self.items, rank, world)
+        self.stream = make_stream(config, self.items, setup.rank, setup.world)
         # what the schedule is sized on: for windows the planned lengths (a stream's skips end it a little early)
-        self.sizing = planned_stream(config, self.items, rank, world) if isinstance(self.stream, WindowedStream) \
-            else self.stream
+        self.sizing = planned_stream(config, self.items, setup.rank, setup.world) \
+            if isinstance(self.stream, WindowedStream) else self.stream
         self.total, self.per_epoch = total_steps(config, self.sizing)
         self.epoch_batches = self.sizing.batches_per_epoch()
         self.stream_ended_at: Optional[int] = None
+        # the optimization: warmup + cosine over the steps the data gives
+        self.optimizer = accelerator.prepare(make_optimizer(self.params, config.optim, self.device))
         self.scheduler, self.warmup = make_scheduler(self.optimizer, config.optim, self.total)
         self.counters = RunCounters()
         self._released_windows = 0
@@ -122,8 +124,7 @@ class Trainer:
         if self.main and resume is None and (self.out / MANIFEST).exists():
             (self.out / MANIFEST).unlink()  # a stale manifest must not vouch for this (unfinished) run
         self.t2d = self.drafter.t2d.cpu()  # id checks and loss denominators on host copies (no device sync)
-        self.metrics = MetricsLogger(self.out, enabled=self.main, wandb_conf=config.wandb,
-                                     run_config=as_plain_dict(config),
+        self.metrics = MetricsLogger(self.out, enabled=self.main, wandb_conf=config.wandb, run_config=setup.plain,
                                      resume_step=self.counters.step if self.resumed else None)
 
     def _restore(self, resume: dict) -> None:

@@ -62,10 +62,6 @@ def scratch_config(text: dict, draft_vocab_size: int, hf_indices: list[int]) -> 
     return cfg, notes
 
 
-def _default_hf_indices(text: dict) -> list[int]:
-    return aux_layers.sglang_default_hf_indices(int(text["num_hidden_layers"]))
-
-
 def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Path], target_path: str | Path,
                            layout: str, new_ids: torch.Tensor, hf_indices: Optional[list[int]] = None,
                            new_row_init: str = "target_lm_head", *, dtype: str | torch.dtype = "float32",
@@ -75,7 +71,9 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     (the vocab stage's `d2t + arange(N)`); hf_indices: the hidden-state indices h the store holds (None:
     the init drafter's, or SGLang's default for scratch); aux_id_rule: how the init drafter's config
     ids are read as h (must give the store's h); seed: the random initialisation of a scratch drafter
-    (the training run's seed, so that seeds differ in every random choice)."""
+    (the training run's seed, so that seeds differ in every random choice). The target is read once: its
+    text config, embeddings and the lm_head rows of the draft vocab, which the report carries as
+    `lm_head_rows` [N, H] (the training teacher's head)."""
     if init_name not in INITS:
         raise ValueError(f"init={init_name!r}: expected one of {INITS}")
     new_ids = torch.as_tensor(new_ids, dtype=torch.long).cpu()
@@ -83,45 +81,47 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     text = target_io.read_text_config(target_path, layout)
     V = int(text["vocab_size"])
     d2t, t2d = d2t_from_ids(new_ids), t2d_from_ids(new_ids, V)  # also checks sorted / unique / in range
-    report: dict = {"init": init_name, "target": str(target_path), "draft_vocab_size": int(new_ids.numel())}
     embed = target_io.load_embed_tokens(target_path, layout)
+    rows = target_io.load_lm_head_rows(target_path, layout, new_ids)
+    default_h = aux_layers.sglang_default_hf_indices(int(text["num_hidden_layers"]))
+    report: dict = {"init": init_name, "target": str(target_path), "draft_vocab_size": int(new_ids.numel())}
     if init_name == "scratch":
-        model, rep = _scratch(text, new_ids, hf_indices or _default_hf_indices(text), embed, target_path, layout, dtype,
-                              seed)
+        model, rep = _scratch(text, new_ids, hf_indices or default_h, embed, rows, dtype, seed)
     else:
         if not init_drafter_path:
             raise ValueError("init=aqmedai_k2 needs init_drafter_path (the old drafter directory)")
-        model, rep = _from_drafter(Path(init_drafter_path), text, new_ids, hf_indices, embed, target_path, layout,
-                                   new_row_init, dtype, aux_id_rule)
+        model, rep = _from_drafter(Path(init_drafter_path), text, new_ids, hf_indices, default_h, embed, rows,
+                                   target_path, new_row_init, dtype, aux_id_rule)
     report.update(rep)
     model.set_vocab_mapping(d2t, t2d)
     model.embed_tokens.weight.requires_grad_(False)
     report["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    report["lm_head_rows"] = rows
     return model.to(device), report
 
 
-def _scratch(text, new_ids, hf_indices, embed, target_path, layout, dtype, seed: int = 0):
+def _scratch(text, new_ids, hf_indices, embed, rows, dtype, seed: int = 0):
     cfg, notes = scratch_config(text, new_ids.numel(), hf_indices)
     with torch.random.fork_rng(devices=[]):  # deterministic init, caller's RNG state untouched
         torch.manual_seed(seed)
         model = Eagle3Drafter(cfg).to(dtype)
     model.set_embeddings(embed.to(dtype))
-    rows = target_io.load_lm_head_rows(target_path, layout, new_ids)
     with torch.no_grad():
         model.lm_head.weight.copy_(rows.to(dtype))
     return model, {"config_notes": notes, "lm_head": "target lm_head rows of the draft vocab",
                    "aux_hf_indices": list(hf_indices)}
 
 
-def _from_drafter(old_dir, text, new_ids, hf_indices, embed, target_path, layout, new_row_init, dtype, id_rule):
+def _from_drafter(old_dir, text, new_ids, hf_indices, default_h, embed, rows, target_path, new_row_init, dtype,
+                  id_rule):
     old_cfg, mismatches = check_drafter_dir(old_dir, text, hf_indices, id_rule=id_rule)
     raise_on_fatal(mismatches, f"init drafter {old_dir} cannot start training on target {target_path}")
     old = load_drafter_dir(old_dir, embed_tokens=embed, dtype=dtype, id_rule=id_rule)
     old_ids = old.draft_ids_to_target(torch.arange(old_cfg.draft_vocab_size))
-    target_rows = target_io.load_lm_head_rows(target_path, layout, new_ids) if new_row_init == "target_lm_head" else None
+    target_rows = rows if new_row_init == "target_lm_head" else None
     weight, stats = remap_lm_head(old.lm_head.weight.detach(), old_ids, new_ids, new_row_init, target_rows)
     tmax = int(text["max_position_embeddings"])
-    hf_indices = list(hf_indices or old_cfg.aux_hf_indices or _default_hf_indices(text))
+    hf_indices = list(hf_indices or old_cfg.aux_hf_indices or default_h)
     cfg = old_cfg.replace(draft_vocab_size=int(new_ids.numel()), aux_hf_indices=hf_indices, max_position_embeddings=tmax)
     state = {k: v for k, v in old.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     state.update({"lm_head.weight": weight, "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
