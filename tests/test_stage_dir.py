@@ -118,3 +118,27 @@ def test_an_interrupted_whole_swap_is_put_back(tmp_path, monkeypatch):
     StageDir(out, "export", whole=True)  # what the next run does first
     assert (out / "a").read_text() == "first" and json.loads((out / "manifest.json").read_text())["config"] == {"v": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_a_setting_added_since_the_manifest_was_written_is_no_difference_at_its_default(tmp_path):
+    """An upgrade that adds a knob (here capture's stream.cache_first_pass_gb) reuses the stage directories
+    written before it while the knob holds its declared default; set to anything else, the run is redone."""
+    from eagle3.config.conf import compose, to_schema
+    from eagle3.config.schema.capture import CaptureConfig
+    from eagle3.formats.manifest import stale_keys
+
+    cfg = to_schema(compose("capture", [f"paths.root={tmp_path}", "target=k25_mini"]), CaptureConfig)
+    out = tmp_path / "cap"
+    out.mkdir()
+    write_manifest(out, "capture", cfg, fingerprints={"target": "t"})
+    m = read_manifest(out)
+    del m["config"]["stream"]["cache_first_pass_gb"]  # as a manifest written before the knob existed
+    del m["config"]["overwrite"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert stale_keys(out, "capture", {"config": cfg, "fingerprints": {"target": "t"}}) == []
+    cfg.stream.cache_first_pass_gb = 1.0
+    assert stale_keys(out, "capture", {"config": cfg}) == ["config.stream"]
+    cfg.stream.cache_first_pass_gb = 0.0
+    m["config"]["removed_knob"] = 1  # a setting the code no longer has: not the same run
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert stale_keys(out, "capture", {"config": cfg}) == ["config.removed_knob"]
