@@ -7,6 +7,9 @@ producer's and the trainer's waits, the three wall times, the end-to-end through
 side alone (1.0 = the two sides overlap perfectly), and whether the streamed drafter is bit-identical to the
 offline one trained in the same windows. `--warm-trainer` trains the store once before the timed trainer-alone
 run, so that one-time costs (CUDA context, torch.compile) are paid by neither timed trainer.
+`bit_identical` compares two captures: the stream's chunks batch differently from the whole split's, so the
+target's float sums (and then the drafters) differ in the last bits unless both capture one sequence per batch
+(`--capture ... max_tokens_per_batch=1`; BENCHMARKS.md, "Online training on the CPU world").
 
   python benchmarks/bench_stream.py --capture conf-overrides... --train conf-overrides... --cap-fraction 0.25
   e.g. on the mini world (after `make mini-world prepare vocab`):
