@@ -37,7 +37,7 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
 
     from eagle3.config.conf import compose, to_schema
     from eagle3.config.schema.train import TrainConfig
-    from eagle3.formats.spool import Spool
+    from eagle3.formats.spool import Spool, dir_bytes
     from train.stage import run_train
 
     offline_dir, stream_dir = work / "capture-offline", work / "capture-stream"
@@ -49,7 +49,7 @@ def run(capture_over: list[str], train_over: list[str], cap_fraction: float, win
                           stderr=subprocess.STDOUT).returncode != 0:
             raise SystemExit(f"offline capture failed; see {work / 'capture-offline.log'}")
     offline_capture_s = time.time() - t0
-    store_bytes = sum(p.stat().st_size for p in (offline_dir / "train").rglob("*") if p.is_file())
+    store_bytes = dir_bytes(offline_dir / "train")
     cap_gb = store_bytes * cap_fraction / 1e9
     common = [*train_over, f"data.window_sequences={window}", f"data.reuse={reuse}", "progress=false"]
 

@@ -48,17 +48,19 @@ print(json.dumps({"per_epoch": per_epoch, "k": k, "epochs_steps": k * per_epoch,
 EOF
 }
 
-# the world of PHASE=world with every training cut to a few steps (the cut keys replace the size's own)
-quick_world() {
-  timeout "$LIMIT" $PY - "${WORLD[@]}" train_steps=20 <<'EOF' 2>&1 | tee -a "$OUT/world.log"
-import sys
+# the mini world and the K2.5 side up to training; CUT=1: every training cut to a few steps (the cut keys
+# replace the size's own), for PHASE=quick
+build_world() {
+  CUT=${CUT:-0} timeout "$LIMIT" $PY - "${WORLD[@]}" "$@" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
+import os, sys
 from eagle3.config.conf import compose, to_schema
 from eagle3.config.schema.learning_ab import LearningABConfig
 from pipeline.demo import build_experiment, stage_log
 cfg = to_schema(compose("learning_ab", sys.argv[1:]), LearningABConfig)
-cut = {"k2_train.steps": 30, "k25_train.steps": 30, "vision.train.steps": 10}
-cfg.overrides.mini_world = [o for o in cfg.overrides.mini_world if o.split("=")[0] not in cut] + [
-    f"{k}={v}" for k, v in cut.items()]
+if os.environ["CUT"] == "1":
+    cut = {"k2_train.steps": 30, "k25_train.steps": 30, "vision.train.steps": 10}
+    cfg.overrides.mini_world = [o for o in cfg.overrides.mini_world if o.split("=")[0] not in cut] + [
+        f"{k}={v}" for k, v in cut.items()]
 build_experiment(cfg, stage_log(cfg, "learning-ab"), cfg.world_seed)
 EOF
 }
@@ -75,17 +77,10 @@ bench() {
 
 case "${PHASE:-world}" in
 quick)
-  T0=$(date +%s); quick_world || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); echo "bench limit ${LIMIT}s"
+  T0=$(date +%s); CUT=1 build_world train_steps=20 || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); echo "bench limit ${LIMIT}s"
   bench "${REUSE:-8}" ;;
 world)
-  timeout "$LIMIT" $PY - "${WORLD[@]}" <<'EOF' 2>&1 | tee -a "$OUT/world.log"
-import sys
-from eagle3.config.conf import compose, to_schema
-from eagle3.config.schema.learning_ab import LearningABConfig
-from pipeline.demo import build_experiment, stage_log
-cfg = to_schema(compose("learning_ab", sys.argv[1:]), LearningABConfig)
-build_experiment(cfg, stage_log(cfg, "learning-ab"), cfg.world_seed)
-EOF
+  build_world || exit 1
   plan | tee "$OUT/plan.json" ;;
 ab)
   plan > "$OUT/plan.json" || exit 1; cat "$OUT/plan.json"

@@ -9,15 +9,13 @@ from pathlib import Path
 
 from eagle3.config.conf import compose, to_schema
 from eagle3.config.schema.train import TrainConfig
+from eagle3.formats.spool import dir_bytes
+from eagle3.formats.store import HiddenStateStore
 
 CAP_FRACTION = 0.75      # the spool's cap as a share of the offline train store
 WINDOW_SHARE = 4         # a window is a quarter of the train split ...
 CHUNKS_PER_WINDOW = 3    # ... written in three chunks: window + one chunk stays below the low watermark (0.7)
 REUSE = 2
-
-
-def store_bytes(store_dir: Path) -> int:
-    return sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
 
 
 def online_overrides(train_cfg: TrainConfig, sequences: int, cap_bytes: int, producer_extra: list[str]) -> list[str]:
@@ -39,8 +37,7 @@ def run_online(log, k25: list[str], train_over: list[str], capture_over: list[st
     base = k25 + ["+init=aqmedai_k2"] + train_over
     offline = to_schema(compose("train", base), TrainConfig)
     store = Path(offline.capture_dir) / offline.data.train_split
-    from eagle3.formats.store import HiddenStateStore
-    sequences, size = len(HiddenStateStore(store, verify="none")), store_bytes(store)
+    sequences, size = len(HiddenStateStore(store, verify="none")), dir_bytes(store)
     cap = int(CAP_FRACTION * size)
     out = log.run("k25: train online +init=aqmedai_k2 (data.producer=local, a capped spool)", "train",
                   base + online_overrides(offline, sequences, cap, capture_over))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from eagle3.config.conf import ConfigError
+
 GIB = 1024 ** 3
 KIMI_HIDDEN, KIMI_TRAINABLE = 7168, 1.19e9
 STATE_BYTES_PER_PARAM = 16
@@ -62,7 +64,6 @@ def check_colocation(fraction: Optional[float], trainable_params: int, hidden_si
                      device, main: bool = True) -> Optional[dict]:
     """Refuse (ConfigError) a producer share and trainer need that cannot fit this rank's card; the figures
     checked, for the manifest (None: not co-located, or no card to check)."""
-    from eagle3.config.conf import ConfigError
     if fraction is None:
         return None
     card = card_bytes(device)

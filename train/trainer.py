@@ -102,7 +102,7 @@ class Trainer:
         self.params = [p for p in self.objective.parameters() if p.requires_grad]
         # the card holds trainer and producer: checked before the optimizer's state exists (a refusal costs nothing)
         self.colocation = check_colocation(
-            config.data.producer_gpu_fraction, sum(p.numel() for p in self.params), self.drafter.embed_tokens.weight.shape[1],
+            config.data.producer_gpu_fraction, sum(p.numel() for p in self.params), self.drafter.config.hidden_size,
             config.data.max_tokens_per_batch, self.device, self.main)
         # the data: what stream positions index (the store, or a spool), this rank's stream, the steps it gives
         self.items = stream_items(config, inputs)
