@@ -6,7 +6,8 @@
 #                stream trains), K chosen so that both arms see about BUDGET steps (the size's train_steps)
 #   PHASE=bench  benchmarks/bench_stream.py at that world's size: producer alone, trainer alone, both together
 #   PHASE=quick  one call: the world's shapes with its targets and the K2 drafter trained a few steps only
-#                (throughput does not depend on the weights), then PHASE=bench with REUSE (default 8) passes
+#                (throughput does not depend on the weights), then PHASE=bench once for each of REUSE (a list,
+#                default 8): more reuse makes the trainer the slower side, and its start-up a smaller share
 # SIZE=gpu needs .whl/ (the wheels the GPU image lacks) and .data_carry/sharegpt.json.xz carried; logs go to $OUT.
 set -uo pipefail
 SIZE=${SIZE:-gpu}
@@ -66,19 +67,19 @@ EOF
 }
 
 bench() {
-  timeout "$LIMIT" $PY benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream.json" \
+  timeout "$LIMIT" $PY benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream-reuse$1.json" \
       --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$1" --chunk "${CHUNK:-32}" --warm-trainer \
       --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 "${DEV[@]}" \
       --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
           optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
       2>&1 | tee -a "$OUT/bench.log"
-  cp /tmp/bench_stream/*.log "$OUT/" 2>/dev/null
+  mkdir -p "$OUT/reuse$1" && cp /tmp/bench_stream/*.log "$OUT/reuse$1/" 2>/dev/null
 }
 
 case "${PHASE:-world}" in
 quick)
-  T0=$(date +%s); CUT=1 build_world train_steps=20 || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); echo "bench limit ${LIMIT}s"
-  bench "${REUSE:-8}" ;;
+  T0=$(date +%s); CUT=1 build_world train_steps=20 || exit 1; LIMIT=$((LIMIT - $(date +%s) + T0)); T0=$(date +%s); echo "bench limit ${LIMIT}s"
+  for r in ${REUSE:-8}; do bench "$r"; LIMIT=$((LIMIT - $(date +%s) + T0)); T0=$(date +%s); done ;;
 world)
   build_world || exit 1
   plan | tee "$OUT/plan.json" ;;
@@ -92,5 +93,5 @@ ab)
       2>&1 | tee -a "$OUT/ab.log"
   tar czf "$OUT/ab_report.tgz" -C "$ROOT" learning_ab_online 2>/dev/null ;;
 bench)
-  bench "$(plan | python3 -c "import json,sys;print(json.load(sys.stdin)['k'])")" ;;
+  bench "${REUSE:-$(plan | python3 -c "import json,sys;print(json.load(sys.stdin)['k'])")}" ;;
 esac
