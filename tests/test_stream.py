@@ -385,6 +385,8 @@ def test_the_stream_benchmark_measures_disk_and_waits_and_finds_the_same_bits(tm
     assert out["bit_identical"] and out["peak_bytes"] < out["offline_store_bytes"]
     assert out["peak_over_cap"] <= 1.0 + 0.5 and out["tokens_captured"] > 0
     assert out["throughput_over_slower_side"] > 0 and out["slower_side"] in ("producer", "trainer")
+    assert 0 <= out["producer_startup_s"] < out["offline_capture_s"]
+    assert out["steady_throughput_over_slower_side"] > 0
 
 
 def test_recapture_passes_the_target_over_the_prompts_again_and_reports_it(tmp_path, world, targets, prepared):  # noqa: F811
