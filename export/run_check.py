@@ -16,7 +16,7 @@ import hydra
 from eagle3.engines import aux_layers
 from eagle3.target_model import target_io
 from eagle3.config.conf import to_schema
-from eagle3.drafter.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids, read_config_dict
+from eagle3.drafter.drafter_io import Mismatch, check_drafter_dir, listed_aux_ids
 from eagle3.errors import run_main, stage_errors
 from eagle3.formats.manifest import MANIFEST, read_manifest
 from eagle3.config.schema.check import CheckConfig
@@ -76,14 +76,14 @@ def run_check(config: CheckConfig) -> CheckResult:
     t = config.target
     text = target_io.read_text_config(t.path, t.layout)  # a missing/odd target raises TargetError
     captured, capture_note = captured_hf_indices(config.capture_dir)
-    # the ids' readings are reported once, by aux_layer_lines below (not also as read_drafter_config's log warning)
-    cfg, mismatches = check_drafter_dir(config.drafter_dir, text, captured, id_rule=config.aux_id_rule,
-                                        report_aux=False)
+    # the ids' readings are reported once, by aux_layer_lines below (not also as read_drafter_dir's log warning)
+    read, mismatches = check_drafter_dir(config.drafter_dir, text, captured, id_rule=config.aux_id_rule,
+                                         report_aux=False)
     info = [f"target: {t.layout}, {text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
             f"vocab {text['vocab_size']}, context {text['max_position_embeddings']}", capture_note]
-    if cfg is not None:
-        lines, warn = aux_layer_lines(read_config_dict(config.drafter_dir), int(text["num_hidden_layers"]),
-                                      config.aux_id_rule)
+    if read is not None:
+        cfg = read.config
+        lines, warn = aux_layer_lines(read.config_dict, int(text["num_hidden_layers"]), config.aux_id_rule)
         info += lines
         mismatches = mismatches + warn
         info.append(f"drafter: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}, aux h "

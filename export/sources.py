@@ -66,7 +66,7 @@ def served_config(drafter: DrafterConfig, text: dict, hf_indices: list[int], con
 def gather_sources(config) -> Sources:
     """Read checkpoint config, target config and capture manifest; raise ExportError listing every
     inconsistency between them (ids, widths, vocab, context length, the train manifest's capture)."""
-    from eagle3.drafter.drafter_io import DrafterLoadError, inspect_drafter_dir, read_config_dict
+    from eagle3.drafter.drafter_io import DrafterLoadError, read_drafter_dir
     from eagle3.formats.store import HiddenStateStore, StoreError
     from eagle3.target_model.target_io import TargetError, read_full_config, read_text_config
 
@@ -75,9 +75,9 @@ def gather_sources(config) -> Sources:
     try:
         # strict names and shapes of the checkpoint, headers only (the weights are read later)
         # (its own config.json was written by this project: ids in a form current SGLang reads as the trained h)
-        ckpt_cfg, _, _, problems = inspect_drafter_dir(ckpt)
-        problems = [f"checkpoint: {p}" for p in problems]
-        drafter_json = read_config_dict(ckpt)
+        read = read_drafter_dir(ckpt)
+        ckpt_cfg, drafter_json = read.config, read.config_dict
+        problems = [f"checkpoint: {p}" for p in read.problems]
     except (DrafterLoadError, OSError) as e:
         raise ExportError(f"checkpoint {ckpt} cannot be exported", [str(e)]) from e
     except Exception as e:  # safetensors' own error type: a truncated or corrupt header

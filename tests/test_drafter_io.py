@@ -103,7 +103,7 @@ def test_strict_load_lists_every_problem(tmp_path):
         load_drafter_dir(d)
     msg = str(e.value)
     assert "midlayer.mlp.up_proj.weight" in msg and "qkv_proj" in msg and "fc.weight: [16, 47]" in msg
-    cfg, problems = check_drafter_dir(d, TARGET)
+    _, problems = check_drafter_dir(d, TARGET)
     assert sum(p.key == "weights" for p in problems) == 3 and all(p.fatal for p in problems if p.key == "weights")
 
 
@@ -195,7 +195,7 @@ def test_captured_ids_and_mapping_checked():
 def test_check_drafter_dir_reads_mapping(tmp_path):
     m = make_model(tiny_cfg(max_position_embeddings=256))
     d = save_drafter_dir(m, tmp_path / "ok")
-    cfg, found = check_drafter_dir(d, TARGET, [2, 3, 4])
-    assert cfg == m.config and found == []
-    cfg, found = check_drafter_dir(d, {**TARGET, "vocab_size": 70})
+    read, found = check_drafter_dir(d, TARGET, [2, 3, 4])
+    assert read.config == m.config and found == []
+    _, found = check_drafter_dir(d, {**TARGET, "vocab_size": 70})
     assert {f.key for f in found} >= {"vocab_size"}

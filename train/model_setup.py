@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from eagle3.target_model import target_io
-from eagle3.drafter.drafter_io import assert_compatible, save_drafter_dir
+from eagle3.drafter.drafter_io import save_drafter_dir
 from eagle3.drafter.image_embeddings import CONFIG_KEY, check_convention
 from eagle3.drafter.initial import build_training_drafter
 from eagle3.drafter.model import Eagle3Drafter
@@ -25,11 +25,8 @@ def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
             config.init.name, config.init.drafter_path, config.target.path, config.target.layout,
             ids_from_d2t(inputs.d2t), hf_indices=store.hf_indices, new_row_init=config.init.new_row_init,
             dtype="float32", aux_id_rule=config.init.aux_id_rule, seed=config.seed)
-    except (ValueError, target_io.TargetError) as e:
+    except (ValueError, target_io.TargetError) as e:  # the drafter built is also checked against the target there
         raise TrainInputError(f"cannot build the init={config.init.name} drafter: {e}") from e
-    text = target_io.read_text_config(config.target.path, config.target.layout)
-    warnings = assert_compatible(drafter.config, text, store.hf_indices, d2t=drafter.d2t, t2d=drafter.t2d)
-    report["compatibility"] = [str(w) for w in warnings]
     check_fits_drafter(inputs, drafter, report["lm_head_rows"], config.vocab_dir)
     return drafter, report
 

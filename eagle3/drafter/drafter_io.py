@@ -1,14 +1,9 @@
-"""Drafter directories on disk (SGLang / AQ-MedAI / SpecForge layout) and the drafter <-> target
-compatibility check.
+"""Drafter directories on disk: the load of one read (drafter_dir.DrafterDir) into an Eagle3Drafter, the
+save, and the drafter <-> target compatibility check.
 
-A drafter directory is `config.json` (a `LlamaForCausalLMEagle3` config) plus `model.safetensors`
-or a sharded `model.safetensors.index.json`; other files (SpecForge's `training_state.pt`,
-README, ...) are ignored. Tensor names are SGLang's (`midlayer.*`, `fc.weight`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`). SGLang silently skips names it does not know, so loading here is
-strict: missing, unexpected or mis-shaped tensors raise one error listing each of them.
-Tolerated and reported: a shipped `embed_tokens.weight` (the target's embeddings are used
-instead when given), a `model.` prefix on every name, a missing `t2d` (rebuilt from `d2t`), and
-no `d2t`/`t2d` at all when the draft vocab is the full target vocab.
+Loading is strict (drafter_dir.py says why and what is tolerated): a directory whose tensors do not match
+its config.json raises one error listing each problem. A shipped `embed_tokens.weight` gives way to the
+target's embeddings when given, and a missing `t2d` is rebuilt from `d2t`.
 
 Imports only torch + safetensors.
 """
@@ -18,184 +13,53 @@ import json
 import logging
 import os
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.engines import aux_layers
+from eagle3.engines.aux_layers import listed_aux_ids  # noqa: F401  (re-exported: readers of a drafter's ids)
 from eagle3.drafter import vocab_map
-from eagle3.drafter.drafter_keys import ConfigRefused
+from eagle3.drafter.drafter_dir import (CONFIG, EMBED, INDEX, WEIGHTS, DrafterConfigRefused, DrafterDir,
+                                        DrafterLoadError, expected_shapes, read_config_dict, read_drafter_dir)
 from eagle3.errors import StageError
 from eagle3.config.dtypes import TORCH_FLOAT_DTYPES, torch_dtype  # noqa: F401  (torch_dtype: re-exported)
-from eagle3.formats.manifest import atomic_write_bytes, read_json
+from eagle3.formats.manifest import atomic_write_bytes
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 
 log = logging.getLogger(__name__)
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-EMBED = "embed_tokens.weight"
-
-
-class DrafterLoadError(StageError, RuntimeError):
-    """A drafter directory that cannot be loaded; the message lists every problem."""
-
-
-class DrafterConfigRefused(DrafterLoadError):
-    """A readable config.json whose content this project cannot read: `findings` (drafter_values.Finding) name each
-    cause, what the engines do and its fix (the directory itself is fine)."""
-
-    def __init__(self, message: str, findings: list):
-        super().__init__(message)
-        self.findings = list(findings)
-
-
-def read_config_dict(drafter_dir: str | Path) -> dict:
-    """The drafter's `config.json` as a dict (a clear error for a missing or unreadable file)."""
-    return read_json(Path(drafter_dir) / CONFIG, DrafterLoadError, unreadable="{e}",
-                     missing=f"drafter {drafter_dir}: no {CONFIG} (not a drafter directory?)")
-
-
-def listed_aux_ids(config: dict) -> Optional[list[int]]:
-    """`eagle_config.eagle_aux_hidden_state_layer_ids` as listed in an SGLang drafter config (None: absent)."""
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else aux_layers.as_int_list(ids, "eagle_aux_hidden_state_layer_ids")
-
-
-def read_drafter_config(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE,
-                        report_aux: bool = True) -> DrafterConfig:
-    """The drafter's config, its aux layer ids read as hidden-state indices by `id_rule`; a config whose
-    ids the SGLang versions read differently is reported on the console with every reading (report_aux
-    False: by the caller, which says it its own way, e.g. `make check`)."""
-    d = read_config_dict(drafter_dir)
-    try:
-        ids = listed_aux_ids(d)
-        cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
-    except ConfigRefused as e:
-        raise DrafterConfigRefused(f"{Path(drafter_dir) / CONFIG}: {e}", e.findings) from e
-    except (ValueError, TypeError) as e:
-        raise DrafterLoadError(f"{Path(drafter_dir) / CONFIG}: {e}") from e
-    note = aux_layers.disagreement_note(ids, id_rule, f"drafter {drafter_dir}") if report_aux else None
-    if note:
-        log.warning(note)
-    if cfg.unknown_keys:  # eagle3/drafter/drafter_keys.py lists every key an engine reads; these are none of them
-        log.warning("drafter %s: config keys no known engine reads, ignored and not written back: %s",
-                    drafter_dir, cfg.unknown_keys)
-    for finding in cfg.key_warnings:  # read here; the directory served as is would break somewhere
-        log.warning("drafter %s: %s", drafter_dir, finding)
-    return cfg
-
-
-@contextmanager
-def _open_weights(file: Path):
-    """safe_open, with a truncated / corrupt file reported as a DrafterLoadError naming it."""
-    try:
-        handle = safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) here
-        raise DrafterLoadError(f"{file}: unreadable safetensors file ({e}); it is truncated or corrupt: "
-                               f"re-export or re-download the drafter") from e
-    with handle as f:
-        yield f
-
-
-def _weight_files(drafter_dir: Path) -> dict[str, Path]:
-    """Tensor name (as stored) -> file holding it."""
-    index = drafter_dir / INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: drafter_dir / f for name, f in weight_map.items()}
-        absent = sorted({str(p) for p in files.values() if not p.is_file()})
-        if absent:
-            raise DrafterLoadError(f"{index}: names shards that do not exist: {absent}")
-        return files
-    single = drafter_dir / WEIGHTS
-    if single.is_file():
-        with _open_weights(single) as f:
-            return {name: single for name in f.keys()}
-    others = sorted(p.name for p in drafter_dir.glob("*.bin")) + sorted(p.name for p in drafter_dir.glob("*.pt"))
-    hint = f" (found {others}: convert to safetensors)" if others else ""
-    raise DrafterLoadError(f"drafter {drafter_dir}: no {WEIGHTS} or {INDEX}{hint}")
-
-
-def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, as the model defines them (embed_tokens excluded)."""
-    with torch.device("meta"):
-        model = Eagle3Drafter(cfg)
-    return {k: tuple(v.shape) for k, v in model.export_state_dict().items()}
-
-
-def inspect_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE, report_aux: bool = True
-                        ) -> tuple[DrafterConfig, dict[str, tuple[int, ...]], dict, list[str]]:
-    """Read config and tensor shapes (headers only, no weights). Returns (cfg, shapes by canonical
-    name, {canonical name: (stored name, file)}, problems) where problems are the strict-key
-    failures: missing, unexpected, mis-shaped."""
-    drafter_dir = Path(drafter_dir)
-    cfg = read_drafter_config(drafter_dir, id_rule, report_aux)
-    files = _weight_files(drafter_dir)
-    want = expected_shapes(cfg)
-    # Some exporters prefix every name with `model.`; accept that form when it is consistent.
-    prefixed = bool(files) and all(n.startswith("model.") for n in files) and not any(n in want for n in files)
-    where, shapes = {}, {}
-    for stored, file in files.items():
-        name = stored[len("model."):] if prefixed else stored
-        where[name] = (stored, file)
-    for name, (stored, file) in where.items():
-        with _open_weights(file) as f:
-            shapes[name] = tuple(f.get_slice(stored).get_shape())
-    problems = []
-    optional = {"t2d"} | ({"d2t"} if "d2t" not in shapes and cfg.draft_vocab_size == cfg.vocab_size else set())
-    missing = [n for n in want if n not in shapes and n not in optional]
-    unexpected = [n for n in shapes if n not in want and n != EMBED]
-    misshaped = [f"{n}: {list(shapes[n])} in the checkpoint, {list(want[n])} from config.json" for n in want
-                 if n in shapes and shapes[n] != want[n]]
-    if EMBED in shapes and shapes[EMBED] != (cfg.vocab_size, cfg.hidden_size):
-        misshaped.append(f"{EMBED}: {list(shapes[EMBED])}, expected {[cfg.vocab_size, cfg.hidden_size]}")
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors (SGLang would silently ignore them): {unexpected}")
-    if misshaped:
-        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
-    return cfg, shapes, where, problems
-
-
-def _read(where: dict, name: str) -> torch.Tensor:
-    stored, file = where[name]
-    with _open_weights(file) as f:
-        try:
-            return f.get_tensor(stored)
-        except Exception as e:
-            raise DrafterLoadError(f"{file}: tensor {stored!r} unreadable ({e}); the file is truncated or "
-                                   f"corrupt: re-export or re-download the drafter") from e
 
 
 def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tensor] = None,
                      device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                      id_rule: str = aux_layers.DEFAULT_RULE) -> Eagle3Drafter:
-    """Load a drafter directory into an Eagle3Drafter (weights cast to `dtype`, default the config's
-    torch_dtype). `embed_tokens` [V, H] are the target's embeddings; without them a shipped
-    embedding is used, else the embedding stays randomly initialised (reported). The model adopts
-    `embed_tokens` without a copy when device and dtype already match (4.7 GB for K2.5 in fp32).
-    The load report is on `model.load_report`. `id_rule`: how config.json's aux layer ids become
+    """Read and load a drafter directory (load_drafter). `id_rule`: how config.json's aux layer ids become
     hidden-state indices (aux_layers.RULES)."""
-    drafter_dir = Path(drafter_dir)
-    cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule)
-    if problems:
-        raise DrafterLoadError(f"drafter {drafter_dir} does not match its config.json:\n  - " + "\n  - ".join(problems))
+    return load_drafter(read_drafter_dir(drafter_dir, id_rule), embed_tokens, device, dtype)
+
+
+def load_drafter(read: DrafterDir, embed_tokens: Optional[torch.Tensor] = None,
+                 device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Eagle3Drafter:
+    """An Eagle3Drafter from a read directory (weights cast to `dtype`, default the config's torch_dtype).
+    `embed_tokens` [V, H] are the target's embeddings; without them a shipped embedding is used, else the
+    embedding stays randomly initialised (reported). The model adopts `embed_tokens` without a copy when
+    device and dtype already match (4.7 GB for K2.5 in fp32). The load report is on `model.load_report`."""
+    drafter_dir, cfg, where = read.path, read.config, read.where
+    if read.problems:
+        raise DrafterLoadError(f"drafter {drafter_dir} does not match its config.json:\n  - "
+                               + "\n  - ".join(read.problems))
     dt = torch_dtype(dtype) or torch_dtype(cfg.torch_dtype if cfg.torch_dtype in TORCH_FLOAT_DTYPES else "float32")
     report: dict[str, Any] = {"dir": str(drafter_dir), "dtype": str(dt).replace("torch.", ""),
-                              "aux_hf_indices": cfg.aux_hf_indices, "aux_id_rule": id_rule,
+                              "aux_hf_indices": cfg.aux_hf_indices, "aux_id_rule": read.id_rule,
                               "ignored_files": sorted(p.name for p in drafter_dir.iterdir()
                                                       if p.name not in (CONFIG, WEIGHTS, INDEX)
                                                       and not p.name.endswith(".safetensors"))}
     if cfg.unknown_keys:
         report["unknown_config_keys"] = list(cfg.unknown_keys)  # ignored, never written back (drafter_keys)
-    tensors = {name: _read(where, name) for name in where if name != EMBED}
+    tensors = {name: read.tensor(name) for name in where if name != EMBED}
     if "d2t" not in tensors:  # full-vocab drafter (checked optional above)
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         report["d2t"] = "absent: full target vocab, identity mapping"
@@ -216,7 +80,7 @@ def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tenso
         report["embed_tokens"] = "target" + (" (the checkpoint's own embed_tokens.weight was ignored)"
                                              if EMBED in where else "")
     elif EMBED in where:
-        embed_tokens = _read(where, EMBED)
+        embed_tokens = read.tensor(EMBED)
         report["embed_tokens"] = "from the checkpoint (no target embeddings given)"
     else:
         report["embed_tokens"] = "NOT LOADED: random init; pass the target's embeddings"
@@ -364,31 +228,34 @@ def assert_compatible(drafter_cfg: DrafterConfig, target_text_config: dict,
 
 def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
                       hf_indices_captured: Optional[list[int]] = None, id_rule: str = aux_layers.DEFAULT_RULE,
-                      report_aux: bool = True) -> tuple[Optional[DrafterConfig], list[Mismatch]]:
-    """The full check of a drafter directory (config, weight names/shapes, mapping) against a target,
-    reading only headers and the small d2t/t2d tensors. A config that cannot be read is one fatal
-    mismatch (cfg None). `id_rule` reads the config's aux layer ids (aux_layers.RULES); report_aux:
-    see read_drafter_config."""
+                      report_aux: bool = True) -> tuple[Optional[DrafterDir], list[Mismatch]]:
+    """(the directory as read, every mismatch): the full check of a drafter directory (config, weight
+    names/shapes, mapping) against a target, reading only headers and the small d2t/t2d tensors. A directory
+    that cannot be read is its mismatches with None. `id_rule` reads the config's aux layer ids
+    (aux_layers.RULES); report_aux: see drafter_dir.read_drafter_dir. Load the returned read with load_drafter:
+    the directory is not opened again."""
     try:
-        cfg, shapes, where, problems = inspect_drafter_dir(drafter_dir, id_rule, report_aux)
+        read = read_drafter_dir(drafter_dir, id_rule, report_aux)
     except DrafterConfigRefused as e:  # the directory is fine; each config value names its own cause and fix
         return None, [Mismatch(f.key, f.problem, f.fix) for f in e.findings]
     except DrafterLoadError as e:
         return None, [Mismatch("config", str(e), "point at a drafter directory (config.json + model.safetensors)")]
+    cfg = read.config
     out = [Mismatch(f.key, f.problem, f.fix, fatal=False) for f in cfg.key_warnings]
-    out += [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes") for p in problems]
+    out += [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes")
+            for p in read.problems]
     mapping = {}  # a missing d2t of a reduced-vocab drafter is already a "missing tensors" problem
-    if "d2t" in where and shapes["d2t"] == (cfg.draft_vocab_size,):
-        if "t2d" in where:
-            mapping = {"d2t": _read(where, "d2t").long(), "t2d": _read(where, "t2d").bool()}
+    if "d2t" in read.where and read.shapes["d2t"] == (cfg.draft_vocab_size,):
+        if "t2d" in read.where:
+            mapping = {"d2t": read.tensor("d2t").long(), "t2d": read.tensor("t2d").bool()}
         else:
             out.append(Mismatch("t2d", "absent (SGLang ignores it; other loaders need it)", "write t2d (export does)",
                                 fatal=False))
-    listed = listed_aux_ids(read_config_dict(drafter_dir))
-    return cfg, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping,
-                                               listed_ids=listed, id_rule=id_rule)
+    return read, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping,
+                                                listed_ids=read.listed_ids, id_rule=id_rule)
 
-__all__ = ["DrafterLoadError", "DrafterConfigRefused", "load_drafter_dir", "save_drafter_dir", "read_drafter_config", "read_config_dict",
-           "listed_aux_ids", "inspect_drafter_dir",
-           "expected_shapes", "check_compatibility", "compatibility_mismatches", "assert_compatible",
-           "check_drafter_dir", "raise_on_fatal", "CompatibilityError", "Mismatch"]
+
+__all__ = ["DrafterLoadError", "DrafterConfigRefused", "DrafterDir", "read_drafter_dir", "load_drafter",
+           "load_drafter_dir", "save_drafter_dir", "read_config_dict", "listed_aux_ids", "expected_shapes",
+           "check_compatibility", "compatibility_mismatches", "assert_compatible", "check_drafter_dir",
+           "raise_on_fatal", "CompatibilityError", "Mismatch"]

@@ -29,7 +29,7 @@ import torch
 from eagle3.engines import aux_layers
 from eagle3.target_model import target_io
 from eagle3.config.choices import INITS
-from eagle3.drafter.drafter_io import check_drafter_dir, load_drafter_dir, raise_on_fatal, torch_dtype
+from eagle3.drafter.drafter_io import assert_compatible, check_drafter_dir, load_drafter, raise_on_fatal, torch_dtype
 from eagle3.drafter.model import ROPE_TYPES, DrafterConfig, Eagle3Drafter, rope_settings, rope_type_of
 from eagle3.drafter.remap import remap_lm_head
 from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
@@ -73,7 +73,8 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     ids are read as h (must give the store's h); seed: the random initialisation of a scratch drafter
     (the training run's seed, so that seeds differ in every random choice). The target is read once: its
     text config, embeddings and the lm_head rows of the draft vocab, which the report carries as
-    `lm_head_rows` [N, H] (the training teacher's head)."""
+    `lm_head_rows` [N, H] (the training teacher's head). The drafter built is checked against the target and
+    `hf_indices` (CompatibilityError; the warnings are the report's `compatibility`)."""
     if init_name not in INITS:
         raise ValueError(f"init={init_name!r}: expected one of {INITS}")
     new_ids = torch.as_tensor(new_ids, dtype=torch.long).cpu()
@@ -95,6 +96,9 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     report.update(rep)
     model.set_vocab_mapping(d2t, t2d)
     model.embed_tokens.weight.requires_grad_(False)
+    # the drafter as built, against the target it was built for and the store's h (warnings kept)
+    warnings = assert_compatible(model.config, text, hf_indices, d2t=model.d2t, t2d=model.t2d)
+    report["compatibility"] = [str(w) for w in warnings]
     report["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     report["lm_head_rows"] = rows
     return model.to(device), report
@@ -114,9 +118,9 @@ def _scratch(text, new_ids, hf_indices, embed, rows, dtype, seed: int = 0):
 
 def _from_drafter(old_dir, text, new_ids, hf_indices, default_h, embed, rows, target_path, new_row_init, dtype,
                   id_rule):
-    old_cfg, mismatches = check_drafter_dir(old_dir, text, hf_indices, id_rule=id_rule)
+    read, mismatches = check_drafter_dir(old_dir, text, hf_indices, id_rule=id_rule)  # the one read of old_dir
     raise_on_fatal(mismatches, f"init drafter {old_dir} cannot start training on target {target_path}")
-    old = load_drafter_dir(old_dir, embed_tokens=embed, dtype=dtype, id_rule=id_rule)
+    old, old_cfg = load_drafter(read, embed_tokens=embed, dtype=dtype), read.config
     old_ids = old.draft_ids_to_target(torch.arange(old_cfg.draft_vocab_size))
     target_rows = rows if new_row_init == "target_lm_head" else None
     weight, stats = remap_lm_head(old.lm_head.weight.detach(), old_ids, new_ids, new_row_init, target_rows)

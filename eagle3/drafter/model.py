@@ -119,12 +119,10 @@ class DrafterConfig(DrafterShape):
         keys = drafter_keys.check_config(d, "sglang")
         keys.raise_if_refused()
         theta, scaling = rope_settings(d)
-        eagle = d.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        ids = aux_layers.listed_aux_ids(d)
         return cls(
             **sizes,
-            aux_hf_indices=None if aux is None else aux_layers.hf_indices_from_ids(
-                aux_layers.as_int_list(aux, "eagle_aux_hidden_state_layer_ids"), id_rule),
+            aux_hf_indices=None if ids is None else aux_layers.hf_indices_from_ids(ids, id_rule),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),

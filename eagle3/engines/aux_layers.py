@@ -65,6 +65,13 @@ def as_int_list(values, what: str) -> list[int]:
     return out
 
 
+def listed_aux_ids(config: dict) -> Optional[list[int]]:
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` as an SGLang drafter config lists them (None: absent): the
+    one reading of that key (the drafter config's parse, a capture's choice and `make check` use it)."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else as_int_list(ids, "eagle_aux_hidden_state_layer_ids")
+
+
 def sglang_default_hf_indices(num_layers: int) -> list[int]:
     """What SGLang captures for a drafter config without ids: h = [2, L // 2, L - 3]."""
     L = int(num_layers)
