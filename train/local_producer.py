@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,26 +41,15 @@ def producer_command(config) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *producer_overrides(config)]
 
 
-def live_producer(spool: Spool, timeout_s: float) -> dict | None:
-    """The status of a producer that is running now (its process exists and it spoke within timeout_s)."""
-    s = spool.status()
-    if not s or s.get("state") in ("done", "failed") or time.time() - s.get("heartbeat", 0) > timeout_s:
-        return None
-    try:
-        os.kill(int(s["pid"]), 0)
-    except (OSError, KeyError, ValueError):
-        return None
-    return s
-
-
 @contextmanager
 def local_producer(config, main: bool):
     """Start the producer for the span of the run (main process only), unless one is running or done."""
     if not (main and config.data.source == "stream" and config.data.producer == "local"):
         yield None
         return
-    spool = Spool(spool_root(config))
-    if spool.end() is not None or live_producer(spool, config.data.stream_timeout_s):
+    root = spool_root(config)
+    spool = Spool(root)
+    if spool.end() is not None or spool.live_status(config.data.stream_timeout_s):
         print(f"[train] {spool.root}: a producer is running or the stream is complete; not starting another")
         yield None
         return

@@ -178,6 +178,18 @@ class Spool:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
+    def live_status(self, timeout_s: float) -> dict | None:
+        """The status of a producer that is running now: neither done nor failed, heard within timeout_s, and
+        its process exists (a status left by a killed producer names a dead pid)."""
+        s = self.status()
+        if not s or s.get("state") in ("done", "failed") or time.time() - s.get("heartbeat", 0) > timeout_s:
+            return None
+        try:
+            os.kill(int(s["pid"]), 0)
+        except (OSError, KeyError, ValueError):
+            return None
+        return s
+
     # ---- the consumers' side ----------------------------------------------------------------------
     def acked(self, rank: int) -> int:
         try:
