@@ -244,22 +244,26 @@ class StoreWindows:
 
 
 def make_stream(config, items, rank: int, world_size: int):
-    """The batch stream of this run (data.order resolved once, in the config schema)."""
+    """The batch stream of this run (data.order resolved once, in the config schema). A spool's windows take
+    the lengths of what was stored (its skips, waiting for each window); an offline store's, the planned ones."""
     d = config.data
     if d.resolved_order() == "epochs":
         return BatchStream(items.lengths, d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size,
                            d.bucket_window)
-    S = d.window_sequences
     if isinstance(items, SpoolStore):
-        lengths = lambda w: items.window_lengths(w, S)  # noqa: E731
-    else:
-        lengths = lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]]  # noqa: E731
-    return WindowedStream(lengths, S, d.reuse, d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size,
-                          d.bucket_window)
+        return _windowed(config, lambda w: items.window_lengths(w, d.window_sequences), rank, world_size)
+    return planned_stream(config, items, rank, world_size)
 
 
 def planned_stream(config, items, rank: int, world_size: int) -> WindowedStream:
     """The stream the planned lengths give (every length known up front): what total steps are sized on."""
     d, S = config.data, config.data.window_sequences
-    return WindowedStream(lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]], S, d.reuse,
-                          d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size, d.bucket_window)
+    return _windowed(config, lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]], rank,
+                     world_size)
+
+
+def _windowed(config, lengths, rank: int, world_size: int) -> WindowedStream:
+    """This run's windowed stream over `lengths(w)`, the lengths of window w."""
+    d = config.data
+    return WindowedStream(lengths, d.window_sequences, d.reuse, d.max_tokens_per_batch, d.max_length, config.seed,
+                          rank, world_size, d.bucket_window)
