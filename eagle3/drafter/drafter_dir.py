@@ -64,6 +64,7 @@ class DrafterDir:
     problems: list[str]                         # strict-name failures: missing, unexpected, mis-shaped
 
     def tensor(self, name: str) -> torch.Tensor:
+        """One tensor by its canonical name, read from its file now (a corrupt one: DrafterLoadError)."""
         stored, file = self.where[name]
         with _open_weights(file) as f:
             try:
