@@ -67,13 +67,13 @@ EOF
 }
 
 bench() {
-  timeout "$LIMIT" $PY benchmarks/bench_stream.py --work /tmp/bench_stream --json "$OUT/bench_stream-reuse$1.json" \
+  timeout "$LIMIT" $PY benchmarks/bench_stream.py --work /tmp/bench_stream-r$1 --json "$OUT/bench_stream-reuse$1.json" \
       --cap-fraction "${CAP:-0.25}" --window "$W" --reuse "$1" --chunk "${CHUNK:-32}" --warm-trainer \
       --capture "paths.root=$ROOT" target=k25_mini +init=aqmedai_k2 "${DEV[@]}" \
       --train "paths.root=$ROOT" target=k25_mini +init=scratch max_steps=1000000 epochs=null optim.lr=5e-4 \
           optim.warmup_steps=50 checkpoint_every=1000000 val_every=0 wandb.mode=disabled \
       2>&1 | tee -a "$OUT/bench.log"
-  mkdir -p "$OUT/reuse$1" && cp /tmp/bench_stream/*.log "$OUT/reuse$1/" 2>/dev/null
+  mkdir -p "$OUT/reuse$1" && cp /tmp/bench_stream-r$1/*.log "$OUT/reuse$1/" 2>/dev/null
 }
 
 case "${PHASE:-world}" in
