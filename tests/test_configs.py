@@ -13,6 +13,7 @@ TARGETLESS = {"mini_world", "demo", "study", "learning_ab"}
 TARGETED = [s for s in STAGES if s not in TARGETLESS]
 TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
 INITS = sorted(p.stem for p in (CONF_DIR / "init").glob("*.yaml"))
+CPU_K2_DRAFTER_STEPS = 80  # conf/demo_size/cpu.yaml (measured: BENCHMARKS.md, "The CPU world's traffic")
 
 
 def test_config_tree_has_required_choices():
@@ -34,6 +35,18 @@ def test_every_stage_target_init_composes(stage, target, init, tmp_path):
     assert to_schema(cfg.init, InitConf).name == init
     typed = to_schema(cfg, stage_schema(stage))
     assert typed is not None
+
+
+def test_the_k2_drafter_step_budget_per_demo_size(tmp_path):
+    """The cpu demo trains the K2 drafter longer than the K2.5 drafters (BENCHMARKS.md, "The CPU world's
+    traffic"); the ci and gpu sizes keep one budget for every drafter, as before the key existed."""
+    typed = {size: to_schema(compose("demo", [f"paths.root={tmp_path}", f"demo_size={size}"]), stage_schema("demo"))
+             for size in ("cpu", "ci", "gpu")}
+    assert {s: (t.train_steps, t.k2_drafter_steps) for s, t in typed.items()} == \
+        {"cpu": (40, CPU_K2_DRAFTER_STEPS), "ci": (8, 8), "gpu": (500, 500)}
+    for stage in ("demo", "study", "learning_ab"):
+        with pytest.raises(ConfigError, match="k2_drafter_steps=0"):
+            to_schema(compose(stage, [f"paths.root={tmp_path}", "k2_drafter_steps=0"]), stage_schema(stage))
 
 
 def test_mini_world_config_composes(tmp_path):

@@ -111,3 +111,25 @@ def test_stale_training_checkpoints_are_dropped_once_and_other_errors_kept(tmp_p
 
     with pytest.raises(CheckpointError, match="cannot write"):  # no checkpoints to drop: the error stands
         run_restarting_stale_training(always_fails, SimpleNamespace(out_dir=str(tmp_path / "none")))
+
+
+def test_the_k2_drafter_trains_on_its_own_step_budget(tmp_path):
+    """build_experiment trains aqmedai-k2-mini for k2_drafter_steps, apart from the K2.5 drafters' train_steps
+    (the stages recorded, not run: a fake log whose mini world is a 8-layer k2-mini config)."""
+    from pipeline.demo import build_experiment
+
+    (tmp_path / "mini_world" / "k2-mini").mkdir(parents=True)
+    (tmp_path / "mini_world" / "k2-mini" / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    calls = []
+
+    class Log:
+        def run(self, label, stage, overrides):
+            calls.append((label, stage, overrides))
+            return tmp_path / "mini_world" if stage == "mini_world" else tmp_path / stage
+
+    cfg = to_schema(compose("demo", [f"paths.root={tmp_path}", "demo_size=ci", "train_steps=3",
+                                     "k2_drafter_steps=7"]), DemoConfig)
+    build_experiment(cfg, Log())
+    trains = [over for _, stage, over in calls if stage == "train"]
+    assert len(trains) == 1 and "target=k2_mini" in trains[0] and "max_steps=7" in trains[0]
+    assert not any(o.startswith("max_steps=") and o != "max_steps=7" for o in trains[0])

@@ -1,5 +1,5 @@
 """Schema of `make demo` (conf/demo.yaml, pipeline/demo.py): the whole pipeline on the mini world. The
-sizes (train_steps, the per-stage overrides) come from the demo_size group: cpu (default) | ci | gpu."""
+sizes (train_steps, k2_drafter_steps, the per-stage overrides) come from the demo_size group: cpu (default) | ci | gpu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,6 +52,13 @@ def forward_settings(cfg, reserved: Dict[str, str]) -> None:
         settings.clear()
 
 
+def check_step_budgets(cfg) -> None:
+    """train_steps and k2_drafter_steps >= 1 (the demo's, the study's and the A/B's sizes)."""
+    for key in ("train_steps", "k2_drafter_steps"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: must be >= 1")
+
+
 @dataclass
 class StageOverrides:
     """Extra Hydra overrides the demo passes to each stage (its size preset)."""
@@ -82,7 +89,10 @@ class ForwardedSettings:
 class DemoConfig(ForwardedSettings):
     paths: PathsConf
     out_dir: str
-    train_steps: int
+    train_steps: int                  # optimizer steps of each K2.5 drafter (the comparison's equal budget)
+    # optimizer steps of the K2 drafter built on k2-mini (aqmedai-k2-mini, build_experiment) alone: AQ-MedAI
+    # trained theirs far longer than a fine-tune, and the question is whether such a drafter is a good start
+    k2_drafter_steps: int
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seed: int = 0                     # the world seed: the mini world's (its split, tokenizer data, models' weights)
     # torch threads for every stage; 0 = auto (eagle3/cpu_threads.py): all cores when idle OpenMP threads
@@ -97,8 +107,7 @@ class DemoConfig(ForwardedSettings):
     def validate(self) -> None:
         forward_settings(self, {"mini_world.seed": "use seed=<world seed>", "train.max_steps": "use train_steps=<n>"})
         # checked before the demo builds anything (the mini world alone takes minutes)
-        if self.train_steps < 1:
-            raise ConfigError(f"train_steps={self.train_steps}: must be >= 1")
+        check_step_budgets(self)
         if self.num_threads < 0:
             raise ConfigError(f"num_threads={self.num_threads}: must be >= 0 (0 = auto)")
 

@@ -9,7 +9,7 @@ from typing import List
 from eagle3.config.choices import DEVICES, INITS
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import PathsConf, WandbConf
-from eagle3.config.schema.demo import ForwardedSettings, StageOverrides, forward_settings
+from eagle3.config.schema.demo import ForwardedSettings, StageOverrides, check_step_budgets, forward_settings
 from eagle3.config.schema.study import CurveConf
 
 REFERENCE_PATH = ["unroll=reference", "compile=false", "optim.fused=false"]  # the trainer's reference numerics
@@ -28,6 +28,7 @@ class LearningABConfig(ForwardedSettings):
     out_dir: str                      # report.md / report.json / plot, records/
     stage_dir: str                    # the A/B's own train runs (train-<arm>-seed<k>/)
     train_steps: int                  # optimizer steps per run (the demo size's budget)
+    k2_drafter_steps: int             # the K2 drafter's own budget (the demo size's; eagle3/config/schema/demo.py)
     overrides: StageOverrides = field(default_factory=StageOverrides)
     # arm 0 is the baseline, arm 1 the path under test (the report gives arm 1 - arm 0)
     arms: List[ArmConf] = field(default_factory=lambda: [ArmConf("gpu_default", []),
@@ -55,6 +56,7 @@ class LearningABConfig(ForwardedSettings):
         if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds={self.seeds}: at least two distinct seeds (an interval needs two per arm)")
         check_choice("init", self.init, INITS)
+        check_step_budgets(self)
         if self.train_steps < self.curve.points - 1:
             raise ConfigError(f"curve.points={self.curve.points} needs train_steps >= {self.curve.points - 1}")
         if self.primary_knob not in [f"{k.num_steps}/{k.topk}/{k.num_draft_tokens}" for k in self.curve.knobs]:

@@ -9,7 +9,7 @@ from typing import List, Optional
 from eagle3.config.choices import DEVICES, INITS
 from eagle3.config.conf import ConfigError, check_choice, register_stage
 from eagle3.config.schema.common import PathsConf, WandbConf
-from eagle3.config.schema.demo import ForwardedSettings, StageOverrides, forward_settings
+from eagle3.config.schema.demo import ForwardedSettings, StageOverrides, check_step_budgets, forward_settings
 from eagle3.config.schema.eval import CostConf, KnobConf, check_knobs, default_knobs
 
 
@@ -64,6 +64,7 @@ class StudyConfig(ForwardedSettings):
     out_dir: str                      # report.md / report.json / plots
     stage_dir: str                    # the study's own train runs (train-<init>-seed<k>/)
     train_steps: int                  # optimizer steps per run (the demo size's budget)
+    k2_drafter_steps: int             # the K2 drafter's own budget (the demo size's; eagle3/config/schema/demo.py)
     overrides: StageOverrides = field(default_factory=StageOverrides)
     seeds: List[int] = field(default_factory=lambda: [0, 1, 2])   # training seeds (data order, random inits)
     # world seeds: each builds its own mini world, K2 drafter and K2.5 data (pipeline/demo.py world_root); the
@@ -100,8 +101,7 @@ class StudyConfig(ForwardedSettings):
         bad = [i for i in self.inits if i not in INITS]
         if bad or len(set(self.inits)) != len(self.inits) or not self.inits:
             raise ConfigError(f"inits={self.inits}: distinct values from {INITS}")
-        if self.train_steps < 1:
-            raise ConfigError(f"train_steps={self.train_steps}: must be >= 1")
+        check_step_budgets(self)
         if self.curve.points - 1 > self.train_steps:
             raise ConfigError(f"curve.points={self.curve.points} needs train_steps >= {self.curve.points - 1} "
                               f"(one checkpoint per budget), got {self.train_steps}")
