@@ -149,7 +149,10 @@ class MiniWorldConfig:
     model: MiniModelConf = field(default_factory=MiniModelConf)
     # k2-mini from scratch on the K2 (prose) part, then k25-mini = k2-mini trained further on the K2.5
     # (code) part. 300 + 150 steps take held-out perplexity to ~270 and make k25-mini's greedy answers
-    # depend on the prompt (28 distinct tokens over 24 prompts).
+    # depend on the prompt (28 distinct tokens over 24 prompts). k2-mini's greedy answers still loop (16 distinct
+    # loss tokens on the cpu demo's K2 side); 4x the steps (1200, +700 s on 2 cores) take its perplexity to 125 but
+    # leave the loop (100 distinct, 48% repeating a 4-gram), so the default stays (BENCHMARKS.md, "The CPU world's
+    # traffic"; the GPU and ci presets pin their own steps).
     k2_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=300, lr=3e-3, warmup_steps=20))
     k25_train: MiniTrainConf = field(default_factory=lambda: MiniTrainConf(steps=150, lr=1.5e-3, warmup_steps=10))
     vision: MiniVisionConf = field(default_factory=MiniVisionConf)  # k25-mini's vision tower (k2-mini reads text only)
