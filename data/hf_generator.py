@@ -19,13 +19,15 @@ class HFGenerator:
     stored text is then exactly the target's greedy tokens."""
 
     def __init__(self, model, tokenizer, *, temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 256,
-                 seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False):
+                 seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False,
+                 no_repeat_ngram_size: int = 0):
         import torch
 
         self.model, self.tok = model, tokenizer
         self.cut_at_round_trip = cut_at_round_trip
         self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
         self.max_positions = max_positions
+        self.no_repeat_ngram_size = no_repeat_ngram_size
         stop = {tokenizer.eos_token_id}
         vocab = tokenizer.get_vocab()
         end_turn = vocab.get("<|im_end|>")
@@ -47,7 +49,8 @@ class HFGenerator:
         return cls(model, tokenizer, temperature=regen_conf.temperature, top_p=regen_conf.top_p,
                    max_new_tokens=regen_conf.max_new_tokens, seed=regen_conf.seed,
                    max_positions=text_config.get("max_position_embeddings"),
-                   cut_at_round_trip=regen_conf.cut_at_round_trip)
+                   cut_at_round_trip=regen_conf.cut_at_round_trip,
+                   no_repeat_ngram_size=regen_conf.no_repeat_ngram_size)
 
     def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -73,6 +76,8 @@ class HFGenerator:
         # greedy, or sampled with one generator per prompt (data/row_sampling.py): a conversation's answer
         # does not depend on the batch it was generated in
         kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        if self.no_repeat_ngram_size:  # over each row's prompt and answer (left pads never end a real n-gram)
+            kwargs["no_repeat_ngram_size"] = self.no_repeat_ngram_size
         if temp > 0:
             from transformers import LogitsProcessorList
 

@@ -110,6 +110,8 @@ def settings_of(cfg) -> dict:
     s["model"] = f"{r.openai.model} ({cfg.target.name})" if r.backend == "openai" else cfg.target.path
     if r.backend == "hf" and r.cut_at_round_trip:  # (absent when off: stores written before it stay valid)
         s["cut_at_round_trip"] = True
+    if r.backend == "hf" and r.no_repeat_ngram_size:  # (absent when off, as above)
+        s["no_repeat_ngram_size"] = r.no_repeat_ngram_size
     if r.backend == "hf" and r.temperature > 0:  # sampled per prompt (data/row_sampling.py), not per batch as before
         s["sampling"] = "per_prompt"
     return s

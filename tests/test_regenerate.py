@@ -12,6 +12,7 @@ from data.openai_server import FaultPlan
 from data.prepare import Conversation, SkipCounter, run_prepare
 from data.regenerate import (ChatClient, GenerationFailed, HFGenerator, RegenerateError, RegenStore, regenerate_batch,
                              split_reasoning)
+from eagle3.config.conf import ConfigError
 from eagle3.formats.manifest import read_manifest
 from eagle3.target_model.target_io import load_target
 from tests.fixtures.prepare import conv
@@ -310,3 +311,50 @@ def test_sampled_regeneration_does_not_depend_on_the_batch(k25_generator):
     other = k25_generator.generate(prompts, temperature=1.0, seed=8)
     greedy = k25_generator.generate(prompts)
     assert other != first and greedy != first  # the seed and sampling matter (a random model: near-flat logits)
+
+
+def _has_repeated_ngram(ids: list[int], n: int) -> bool:
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+class _RecordingModel:
+    """The target, recording the token rows its generate returns (the answer's ids, before decoding)."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, None
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def generate(self, **kw):
+        out = self.model.generate(**kw)
+        self.rows = out.tolist()
+        return out
+
+
+def test_no_repeat_ngram_guard_breaks_the_loop_and_only_where_it_fires(k25_generator):
+    """regenerate.no_repeat_ngram_size: the guarded row holds no n-gram twice over prompt + answer; the greedy row
+    of the same prompt does, and the two agree up to the first token the guard changed, where greedy's token would
+    have completed an n-gram the conversation already held."""
+    n, new = 3, 40
+    prompt = [{"role": "user", "content": "hello there, how are you?"}]
+    rows = {}
+    for guard in (0, n):
+        rec = _RecordingModel(k25_generator.model)
+        HFGenerator(rec, k25_generator.tok, max_new_tokens=new, no_repeat_ngram_size=guard).generate([prompt])
+        rows[guard] = rec.rows[0]
+    greedy, guarded = rows[0], rows[n]
+    assert _has_repeated_ngram(greedy, n), "the tiny target's greedy answer no longer loops: pick a loopier prompt"
+    assert not _has_repeated_ngram(guarded, n)
+    first_change = next(i for i, (a, b) in enumerate(zip(greedy, guarded)) if a != b)
+    assert not _has_repeated_ngram(greedy[:first_change], n)
+    assert _has_repeated_ngram(greedy[:first_change + 1], n)
+
+
+def test_no_repeat_ngram_guard_needs_the_hf_backend(tmp_path, tiny_k25_target):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    with pytest.raises(ConfigError, match="no_repeat_ngram_size=4 needs backend=hf"):
+        regen_config(tmp_path, tiny_k25_target, corpus, "openai", "regenerate.no_repeat_ngram_size=4")
+    with pytest.raises(ConfigError, match="no_repeat_ngram_size=1"):
+        regen_config(tmp_path, tiny_k25_target, corpus, "hf", "regenerate.no_repeat_ngram_size=1")

@@ -44,6 +44,11 @@ class RegenerateConf:
     # hf backend: keep (and generate) an answer only as far as its text re-tokenizes to the generated
     # tokens, so the stored turns are exactly the target's greedy output (data/round_trip.py)
     cut_at_round_trip: bool = True
+    # hf backend: never complete an n-gram this long that the conversation already holds (transformers'
+    # `no_repeat_ngram_size`; 0 = off). A small target's greedy text loops; the guard breaks the loop, and the
+    # stored token differs from the target's argmax only where it fired (the accept sim counts those as
+    # mismatches: eagle3/replay/accept_sim.py)
+    no_repeat_ngram_size: int = 0
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
     def validate(self) -> None:
@@ -52,6 +57,13 @@ class RegenerateConf:
             raise ConfigError("regenerate: temperature >= 0 and 0 < top_p <= 1 are required")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ConfigError("regenerate: max_new_tokens and batch_size must be >= 1")
+        if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_size == 1:
+            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size}: 0 (off) or >= 2 "
+                              "(1 would forbid every token already in the conversation)")
+        if self.no_repeat_ngram_size and self.backend != "hf":
+            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size} needs backend=hf: the "
+                              "OpenAI chat API (SGLang, vLLM) has no n-gram guard, so the server's text would not "
+                              "be what the setting says")
 
 
 @dataclass
