@@ -24,6 +24,13 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
         f = report["traffic"][side]
         assert 0 < f["distinct"] <= f["loss_tokens"] and 0 < f["top5_share"] <= 1
     assert "Traffic (prepared loss tokens), k25:" in (Path(out) / "report.md").read_text()
+    # ... and the K2 drafter on its own target's held-out traffic, beside the n-gram on the same sequences
+    own = report["k2_own"]
+    assert [r["drafter"] for r in own][0] == "K2 drafter on K2" and own[1]["drafter"].startswith("ngram")
+    sim = own[0][next(k for k in own[0] if k.startswith("sim "))]
+    assert (sim != sim or sim >= 1.0) and 0 <= own[0]["off argmax"] <= 1  # NaN: the ci K2 side holds out no segment
+    assert (tmp_path / "stages" / "k2_mini" / "eval-k2_own" / "report.json").is_file()
+    assert "## The K2 drafter on its own target" in (Path(out) / "report.md").read_text()
     for row in report["rows"]:
         for key, value in row.items():
             if key.startswith(("sim ", "real ")) and value == value:  # not NaN
