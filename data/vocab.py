@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from eagle3 import fingerprints as fp
+from eagle3.formats.weight_files import weight_files
 from eagle3.errors import StageError
 from eagle3.formats.manifest import atomic_write_json, sha256_file
 from eagle3.drafter.vocab_map import (VocabMapError, compare_vocabs, coverage, d2t_from_ids, masked_token_counts,
@@ -83,7 +84,7 @@ def read_init_mapping(drafter_dir: Path, vocab_size: int) -> tuple[torch.Tensor,
     """Target ids of an existing drafter's draft vocab, from its `d2t` (and `t2d` if present)."""
     from safetensors import safe_open
 
-    files = fp.drafter_weight_files(drafter_dir)
+    files = weight_files(drafter_dir)
     if not files:
         raise VocabStageError(f"init drafter {drafter_dir}: no *.safetensors weights")
     d2t = t2d = path = None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.formats.manifest import fingerprint as _manifest_sha256, sha256_file
+from eagle3.formats.weight_files import weight_files
 
 FULL_HASH_LIMIT = 2 << 30                # target_weights: weights up to 2 GiB hashed whole; larger ones sampled
 SAMPLE_BYTES = 1 << 20
@@ -109,18 +110,11 @@ def target_checkpoint(path: Path, full_hash_limit: int = CHECKPOINT_FULL_LIMIT) 
     return h.hexdigest()
 
 
-def drafter_weight_files(drafter_dir: Path) -> list[Path]:
-    """A drafter directory's weight files: model.safetensors, else its shards in name order."""
-    d = Path(drafter_dir)
-    main = d / "model.safetensors"
-    return [main] if main.is_file() else sorted(d.glob("*.safetensors"))
-
-
 def drafter_weights(drafter_dir: Optional[Path]) -> Optional[str]:
     """An init drafter's weights: each weight file's sha256, joined by ';' (None: no directory or no weights)."""
     if drafter_dir is None or not Path(drafter_dir).is_dir():
         return None
-    files = drafter_weight_files(drafter_dir)
+    files = weight_files(drafter_dir)  # the files a load reads (eagle3/formats/weight_files.py)
     return ";".join(sha256_file(f) for f in files) if files else None
 
 

@@ -1,9 +1,19 @@
-"""Drafter directories on disk: the load of one read (drafter_dir.DrafterDir) into an Eagle3Drafter, the
-save, and the drafter <-> target compatibility check.
+"""Drafter directories on disk (SGLang / AQ-MedAI / SpecForge layout): one read (`DrafterDir`), the check
+against a target, the load of that read into an Eagle3Drafter, and the save.
 
-Loading is strict (drafter_dir.py says why and what is tolerated): a directory whose tensors do not match
-its config.json raises one error listing each problem. A shipped `embed_tokens.weight` gives way to the
-target's embeddings when given, and a missing `t2d` is rebuilt from `d2t`.
+A drafter directory is `config.json` (a `LlamaForCausalLMEagle3` config) plus `model.safetensors`
+or a sharded `model.safetensors.index.json` (eagle3/formats/weight_files.py); other files (SpecForge's
+`training_state.pt`, README, ...) are ignored. `read_drafter_dir` opens config.json and the weight headers
+once and keeps what every later step needs (the config as written and as parsed, where each tensor lies and
+its shape, the strict-name problems; the small d2t / t2d and their one check on first use), so that the check
+against a target and the load take this object instead of opening the directory again
+(`load_checked_drafter` does all three in one pass).
+
+Strict names, because SGLang silently skips names it does not know: missing, unexpected or
+mis-shaped tensors are `problems`, and a load of such a directory raises one error listing each. Tolerated: a
+shipped `embed_tokens.weight` (it gives way to the target's embeddings when given), a `model.` prefix on
+every name, a missing `t2d` (rebuilt from `d2t`), and no `d2t`/`t2d` at all when the draft vocab is the full
+target vocab.
 
 Imports only torch + safetensors.
 """
@@ -13,25 +23,200 @@ import json
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.engines import aux_layers
 from eagle3.engines.aux_layers import listed_aux_ids  # noqa: F401  (re-exported: readers of a drafter's ids)
 from eagle3.drafter import vocab_map
-from eagle3.drafter.drafter_dir import (CONFIG, EMBED, INDEX, WEIGHTS, DrafterConfigRefused, DrafterDir,
-                                        DrafterLoadError, expected_shapes, read_config_dict, read_drafter_dir)
+from eagle3.drafter.drafter_keys import ConfigRefused
 from eagle3.errors import StageError
 from eagle3.config.dtypes import TORCH_FLOAT_DTYPES, torch_dtype  # noqa: F401  (torch_dtype: re-exported)
-from eagle3.formats.manifest import atomic_write_bytes
-from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.formats.manifest import atomic_write_bytes, read_json
+from eagle3.formats.weight_files import INDEX, WEIGHTS, indexed_files
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, expected_shapes
 
 log = logging.getLogger(__name__)
+CONFIG = "config.json"
+EMBED = "embed_tokens.weight"
 
+
+class DrafterLoadError(StageError, RuntimeError):
+    """A drafter directory that cannot be loaded; the message lists every problem."""
+
+
+class DrafterConfigRefused(DrafterLoadError):
+    """A readable config.json whose content this project cannot read: `findings` (drafter_values.Finding) name each
+    cause, what the engines do and its fix (the directory itself is fine)."""
+
+    def __init__(self, message: str, findings: list):
+        super().__init__(message)
+        self.findings = list(findings)
+
+
+@dataclass(frozen=True)
+class StoredMapping:
+    """A drafter's d2t / t2d as a load installs them, read once, with what was filled in and their one check."""
+    d2t: torch.Tensor                           # int64 [draft_vocab_size]; absent (full vocab): the identity
+    t2d: torch.Tensor                           # bool [vocab_size]; absent: rebuilt from d2t
+    notes: dict[str, str]                       # the load report's line for each tensor filled in
+    problems: list[str]                         # vocab_map.mapping_problems of the pair (config sizes)
+    order: list[str]                            # vocab_map.order_problems of d2t (a warning)
+
+
+@dataclass(frozen=True)
+class DrafterDir:
+    """What one read of a drafter directory found (no weights loaded: `tensor` reads one on demand)."""
+    path: Path
+    config_dict: dict                           # config.json as written
+    config: DrafterConfig                       # parsed; its aux ids read as h by `id_rule`
+    id_rule: str
+    listed_ids: Optional[list[int]]             # eagle_config.eagle_aux_hidden_state_layer_ids as listed
+    shapes: dict[str, tuple[int, ...]]          # canonical tensor name -> shape (from the headers)
+    where: dict[str, tuple[str, Path]]          # canonical tensor name -> (stored name, file)
+    problems: list[str]                         # strict-name failures: missing, unexpected, mis-shaped
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor by its canonical name, read from its file now (a corrupt one: DrafterLoadError)."""
+        stored, file = self.where[name]
+        with _open_weights(file) as f:
+            try:
+                return f.get_tensor(stored)
+            except Exception as e:
+                raise DrafterLoadError(f"{file}: tensor {stored!r} unreadable ({e}); the file is truncated or "
+                                       f"corrupt: re-export or re-download the drafter") from e
+
+    @cached_property
+    def mapping(self) -> StoredMapping:
+        """The vocab mapping, read and checked once (for the check against a target and the load alike). Read
+        only where the strict names hold d2t at its shape, or hold none for a full-vocab drafter."""
+        cfg, notes = self.config, {}
+        if "d2t" in self.where:
+            d2t = self.tensor("d2t").to(torch.int64)
+        else:  # full-vocab drafter (checked optional by strict_problems)
+            d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+            notes["d2t"] = "absent: full target vocab, identity mapping"
+        if "t2d" in self.where:
+            t2d = self.tensor("t2d").to(torch.bool)
+        else:
+            ids = vocab_map.ids_from_d2t(d2t)  # out of range: an empty mask, which the check reports
+            in_range = int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size
+            t2d = vocab_map.t2d_from_ids(ids if in_range else ids[:0], cfg.vocab_size)
+            notes["t2d"] = "absent: rebuilt from d2t"
+        return StoredMapping(d2t, t2d, notes, vocab_map.mapping_problems(d2t, t2d, cfg.draft_vocab_size, cfg.vocab_size),
+                             vocab_map.order_problems(d2t))
+
+
+def read_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_RULE,
+                     report_aux: bool = True) -> DrafterDir:
+    """Read config.json and the weight headers of a drafter directory, once. A config whose aux ids the
+    SGLang versions read differently is reported on the console with every reading (report_aux False: the
+    caller says it its own way, e.g. `make check`). Raises DrafterConfigRefused / DrafterLoadError.
+    The parse comes before the ids are listed: it refuses an eagle_config that is no mapping first."""
+    drafter_dir = Path(drafter_dir)
+    d = read_config_dict(drafter_dir)
+    try:
+        cfg = DrafterConfig.from_hf_dict(d, id_rule=id_rule)
+        listed = aux_layers.listed_aux_ids(d)
+    except ConfigRefused as e:  # a refusal keeps its findings
+        raise DrafterConfigRefused(f"{drafter_dir / CONFIG}: {e}", e.findings) from e
+    except (ValueError, TypeError) as e:
+        raise DrafterLoadError(f"{drafter_dir / CONFIG}: {e}") from e
+    note = aux_layers.disagreement_note(listed, id_rule, f"drafter {drafter_dir}") if report_aux else None
+    want = expected_shapes(cfg)
+    shards = indexed_files(drafter_dir)
+    _report_config(drafter_dir, cfg, note)
+    where = _canonical_names(_weight_files(drafter_dir, shards), want)
+    shapes = {}
+    for name, (stored, file) in where.items():
+        with _open_weights(file) as f:
+            shapes[name] = tuple(f.get_slice(stored).get_shape())
+    return DrafterDir(drafter_dir, d, cfg, id_rule, listed, shapes, where, strict_problems(cfg, shapes, want))
+
+
+def read_config_dict(drafter_dir: str | Path) -> dict:
+    """The drafter's `config.json` as a dict (a clear error for a missing or unreadable file)."""
+    return read_json(Path(drafter_dir) / CONFIG, DrafterLoadError, unreadable="{e}",
+                     missing=f"drafter {drafter_dir}: no {CONFIG} (not a drafter directory?)")
+
+
+def _report_config(drafter_dir: Path, cfg: DrafterConfig, aux_note: Optional[str]) -> None:
+    """The console lines a read owes: the ids' readings where SGLang versions differ (`aux_note`), keys no
+    engine reads, and values read here that would break the directory served as is."""
+    if aux_note:
+        log.warning(aux_note)
+    if cfg.unknown_keys:  # eagle3/drafter/drafter_keys.py lists every key an engine reads; these are none of them
+        log.warning("drafter %s: config keys no known engine reads, ignored and not written back: %s",
+                    drafter_dir, cfg.unknown_keys)
+    for finding in cfg.key_warnings:
+        log.warning("drafter %s: %s", drafter_dir, finding)
+
+
+@contextmanager
+def _open_weights(file: Path):
+    """safe_open, with a truncated / corrupt file reported as a DrafterLoadError naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) here
+        raise DrafterLoadError(f"{file}: unreadable safetensors file ({e}); it is truncated or corrupt: "
+                               f"re-export or re-download the drafter") from e
+    with handle as f:
+        yield f
+
+
+def _weight_files(drafter_dir: Path, files: Optional[dict[str, Path]]) -> dict[str, Path]:
+    """Tensor name (as stored) -> file holding it, by the one rule (eagle3/formats/weight_files.py): the index's
+    `files` (indexed_files), else the single file's names."""
+    if files is not None:
+        absent = sorted({str(p) for p in files.values() if not p.is_file()})
+        if absent:
+            raise DrafterLoadError(f"{drafter_dir / INDEX}: names shards that do not exist: {absent}")
+        return files
+    single = drafter_dir / WEIGHTS
+    if single.is_file():
+        with _open_weights(single) as f:
+            return {name: single for name in f.keys()}
+    others = sorted(p.name for p in drafter_dir.glob("*.bin")) + sorted(p.name for p in drafter_dir.glob("*.pt"))
+    hint = f" (found {others}: convert to safetensors)" if others else ""
+    raise DrafterLoadError(f"drafter {drafter_dir}: no {WEIGHTS} or {INDEX}{hint}")
+
+
+def _canonical_names(files: dict[str, Path], want: dict) -> dict[str, tuple[str, Path]]:
+    """{canonical name: (stored name, file)}. Some exporters prefix every name with `model.`; that form is
+    accepted when it is consistent."""
+    prefixed = bool(files) and all(n.startswith("model.") for n in files) and not any(n in want for n in files)
+    return {(stored[len("model."):] if prefixed else stored): (stored, file) for stored, file in files.items()}
+
+
+def strict_problems(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]
+                    ) -> list[str]:
+    """The strict-name failures of the stored tensors against the config's `want` (expected_shapes): missing,
+    unexpected, mis-shaped."""
+    problems = []
+    optional = {"t2d"} | ({"d2t"} if "d2t" not in shapes and cfg.draft_vocab_size == cfg.vocab_size else set())
+    missing = [n for n in want if n not in shapes and n not in optional]
+    unexpected = [n for n in shapes if n not in want and n != EMBED]
+    misshaped = [f"{n}: {list(shapes[n])} in the checkpoint, {list(want[n])} from config.json" for n in want
+                 if n in shapes and shapes[n] != want[n]]
+    if EMBED in shapes and shapes[EMBED] != (cfg.vocab_size, cfg.hidden_size):
+        misshaped.append(f"{EMBED}: {list(shapes[EMBED])}, expected {[cfg.vocab_size, cfg.hidden_size]}")
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors (SGLang would silently ignore them): {unexpected}")
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
+    return problems
+
+
+# ---------------------------------------------------------------- load and save
 
 def load_drafter_dir(drafter_dir: str | Path, embed_tokens: Optional[torch.Tensor] = None,
                      device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
@@ -59,20 +244,12 @@ def load_drafter(read: DrafterDir, embed_tokens: Optional[torch.Tensor] = None,
                                                       and not p.name.endswith(".safetensors"))}
     if cfg.unknown_keys:
         report["unknown_config_keys"] = list(cfg.unknown_keys)  # ignored, never written back (drafter_keys)
-    tensors = {name: read.tensor(name) for name in where if name != EMBED}
-    if "d2t" not in tensors:  # full-vocab drafter (checked optional above)
-        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-        report["d2t"] = "absent: full target vocab, identity mapping"
-    tensors["d2t"] = tensors["d2t"].to(torch.int64)
-    if "t2d" not in tensors:
-        ids = vocab_map.ids_from_d2t(tensors["d2t"])  # out of range: an empty mask, reported just below
-        in_range = int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size
-        tensors["t2d"] = vocab_map.t2d_from_ids(ids if in_range else ids[:0], cfg.vocab_size)
-        report["t2d"] = "absent: rebuilt from d2t"
-    tensors["t2d"] = tensors["t2d"].to(torch.bool)
-    mapping = vocab_map.mapping_problems(tensors["d2t"], tensors["t2d"], cfg.draft_vocab_size, cfg.vocab_size)
-    if mapping:
-        raise DrafterLoadError(f"drafter {drafter_dir}: bad vocab mapping: " + "; ".join(mapping))
+    mapping = read.mapping  # read and checked once (DrafterDir.mapping), as the target check saw it
+    if mapping.problems:
+        raise DrafterLoadError(f"drafter {drafter_dir}: bad vocab mapping: " + "; ".join(mapping.problems))
+    report.update(mapping.notes)
+    tensors = {name: read.tensor(name) for name in where if name not in (EMBED, "d2t", "t2d")}
+    tensors.update(d2t=mapping.d2t, t2d=mapping.t2d)
     if embed_tokens is not None:
         if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise DrafterLoadError(f"target embeddings {list(embed_tokens.shape)} do not fit drafter {drafter_dir} "
@@ -154,6 +331,8 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
     `listed_ids` / `id_rule`: the config's aux ids and the rule that read them (for the reading's own advice)."""
     c, t = drafter_cfg, target_text_config
     out: list[Mismatch] = []
+    mapping = None if d2t is None or t2d is None else mapping_mismatches(  # listed last
+        vocab_map.mapping_problems(d2t, t2d, c.draft_vocab_size, c.vocab_size), vocab_map.order_problems(d2t))
     H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     if c.hidden_size != H:
         out.append(Mismatch("hidden_size", f"drafter {c.hidden_size} != target {H} (the drafter reads the "
@@ -196,12 +375,15 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
         mine, theirs = getattr(c, key), t.get(key)
         if mine is not None and theirs is not None and mine != theirs:
             out.append(Mismatch(key, f"drafter {mine} != target {theirs}", f"set {key} to {theirs}", fatal=False))
-    if d2t is not None and t2d is not None:
-        for p in vocab_map.mapping_problems(d2t, t2d, c.draft_vocab_size, c.vocab_size):
-            out.append(Mismatch("d2t/t2d", p, "rebuild the mapping with the vocab stage (and remap lm_head)"))
-        for p in vocab_map.order_problems(d2t):
-            out.append(Mismatch("d2t", p + " (loaders using t2d read logits in id order)",
-                                "rebuild the mapping with the vocab stage", fatal=False))
+    return out + (mapping or [])
+
+
+def mapping_mismatches(problems: list[str], order: list[str]) -> list[Mismatch]:
+    """A d2t/t2d pair's `vocab_map.mapping_problems` (fatal) and `order_problems` (a warning), as mismatches."""
+    out = [Mismatch("d2t/t2d", p, "rebuild the mapping with the vocab stage (and remap lm_head)") for p in problems]
+    for p in order:
+        out.append(Mismatch("d2t", p + " (loaders using t2d read logits in id order)",
+                            "rebuild the mapping with the vocab stage", fatal=False))
     return out
 
 
@@ -232,7 +414,7 @@ def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
     """(the directory as read, every mismatch): the full check of a drafter directory (config, weight
     names/shapes, mapping) against a target, reading only headers and the small d2t/t2d tensors. A directory
     that cannot be read is its mismatches with None. `id_rule` reads the config's aux layer ids
-    (aux_layers.RULES); report_aux: see drafter_dir.read_drafter_dir. Load the returned read with load_drafter:
+    (aux_layers.RULES); report_aux: see read_drafter_dir. Load the returned read with load_drafter:
     the directory is not opened again."""
     try:
         read = read_drafter_dir(drafter_dir, id_rule, report_aux)
@@ -244,18 +426,43 @@ def check_drafter_dir(drafter_dir: str | Path, target_text_config: dict,
     out = [Mismatch(f.key, f.problem, f.fix, fatal=False) for f in cfg.key_warnings]
     out += [Mismatch("weights", p, "re-export the drafter with SGLang names and the config's shapes")
             for p in read.problems]
-    mapping = {}  # a missing d2t of a reduced-vocab drafter is already a "missing tensors" problem
+    stored = None  # a missing d2t of a reduced-vocab drafter is already a "missing tensors" problem
     if "d2t" in read.where and read.shapes["d2t"] == (cfg.draft_vocab_size,):
         if "t2d" in read.where:
-            mapping = {"d2t": read.tensor("d2t").long(), "t2d": read.tensor("t2d").bool()}
+            stored = read.mapping  # read and checked once: the load takes the same (DrafterDir.mapping)
         else:
             out.append(Mismatch("t2d", "absent (SGLang ignores it; other loaders need it)", "write t2d (export does)",
                                 fatal=False))
-    return read, out + compatibility_mismatches(cfg, target_text_config, hf_indices_captured, **mapping,
-                                                listed_ids=read.listed_ids, id_rule=id_rule)
+    out += compatibility_mismatches(cfg, target_text_config, hf_indices_captured, listed_ids=read.listed_ids,
+                                    id_rule=id_rule)
+    return read, out + ([] if stored is None else mapping_mismatches(stored.problems, stored.order))
+
+
+@dataclass(frozen=True)
+class CheckedDrafter:
+    """A drafter directory read once, checked against a target and loaded (`load_checked_drafter`)."""
+    read: DrafterDir
+    model: Eagle3Drafter
+    warnings: list[Mismatch]          # the check's mismatches, none fatal
+
+    config = property(lambda self: self.read.config)
+    target_ids = property(lambda self: vocab_map.ids_from_d2t(self.read.mapping.d2t))  # of its draft ids, in order
+
+
+def load_checked_drafter(drafter_dir: str | Path, target_text_config: dict, hf_indices_captured: Optional[list[int]],
+                         what: str, id_rule: str = aux_layers.DEFAULT_RULE,
+                         embed_tokens: Optional[torch.Tensor] = None,
+                         dtype: str | torch.dtype | None = None) -> CheckedDrafter:
+    """A drafter directory against a target, in one pass: read (headers and the mapping), checked
+    (check_drafter_dir: CompatibilityError headed `what` on anything fatal) before anything big is loaded,
+    then loaded (load_drafter) from that same read."""
+    read, mismatches = check_drafter_dir(drafter_dir, target_text_config, hf_indices_captured, id_rule=id_rule)
+    raise_on_fatal(mismatches, what)
+    return CheckedDrafter(read, load_drafter(read, embed_tokens=embed_tokens, dtype=dtype), mismatches)
 
 
 __all__ = ["DrafterLoadError", "DrafterConfigRefused", "DrafterDir", "read_drafter_dir", "load_drafter",
            "load_drafter_dir", "save_drafter_dir", "read_config_dict", "listed_aux_ids", "expected_shapes",
            "check_compatibility", "compatibility_mismatches", "assert_compatible", "check_drafter_dir",
-           "raise_on_fatal", "CompatibilityError", "Mismatch"]
+           "raise_on_fatal", "CompatibilityError", "Mismatch", "mapping_mismatches", "CheckedDrafter",
+           "load_checked_drafter"]

@@ -29,7 +29,7 @@ import torch
 from eagle3.engines import aux_layers
 from eagle3.target_model import target_io
 from eagle3.config.choices import INITS
-from eagle3.drafter.drafter_io import assert_compatible, check_drafter_dir, load_drafter, raise_on_fatal, torch_dtype
+from eagle3.drafter.drafter_io import assert_compatible, load_checked_drafter, torch_dtype
 from eagle3.drafter.model import ROPE_TYPES, DrafterConfig, Eagle3Drafter, rope_settings, rope_type_of
 from eagle3.drafter.remap import remap_lm_head
 from eagle3.drafter.vocab_map import d2t_from_ids, t2d_from_ids
@@ -80,10 +80,9 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     new_ids = torch.as_tensor(new_ids, dtype=torch.long).cpu()
     dtype = torch_dtype(dtype)
     text = target_io.read_text_config(target_path, layout)
-    V = int(text["vocab_size"])
-    d2t, t2d = d2t_from_ids(new_ids), t2d_from_ids(new_ids, V)  # also checks sorted / unique / in range
     embed = target_io.load_embed_tokens(target_path, layout)
-    rows = target_io.load_lm_head_rows(target_path, layout, new_ids)
+    rows = target_io.load_lm_head_rows(target_path, layout, new_ids)  # ids out of the head's range: TargetError
+    d2t, t2d = d2t_from_ids(new_ids), t2d_from_ids(new_ids, int(text["vocab_size"]))  # checks sorted / unique
     default_h = aux_layers.sglang_default_hf_indices(int(text["num_hidden_layers"]))
     report: dict = {"init": init_name, "target": str(target_path), "draft_vocab_size": int(new_ids.numel())}
     if init_name == "scratch":
@@ -96,8 +95,9 @@ def build_training_drafter(init_name: str, init_drafter_path: Optional[str | Pat
     report.update(rep)
     model.set_vocab_mapping(d2t, t2d)
     model.embed_tokens.weight.requires_grad_(False)
-    # the drafter as built, against the target it was built for and the store's h (warnings kept)
-    warnings = assert_compatible(model.config, text, hf_indices, d2t=model.d2t, t2d=model.t2d)
+    # the drafter as built, against the target it was built for and the store's h (warnings kept); its mapping
+    # is the one d2t_from_ids / t2d_from_ids made and checked above
+    warnings = assert_compatible(model.config, text, hf_indices)
     report["compatibility"] = [str(w) for w in warnings]
     report["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     report["lm_head_rows"] = rows
@@ -118,12 +118,11 @@ def _scratch(text, new_ids, hf_indices, embed, rows, dtype, seed: int = 0):
 
 def _from_drafter(old_dir, text, new_ids, hf_indices, default_h, embed, rows, target_path, new_row_init, dtype,
                   id_rule):
-    read, mismatches = check_drafter_dir(old_dir, text, hf_indices, id_rule=id_rule)  # the one read of old_dir
-    raise_on_fatal(mismatches, f"init drafter {old_dir} cannot start training on target {target_path}")
-    old, old_cfg = load_drafter(read, embed_tokens=embed, dtype=dtype), read.config
-    old_ids = old.draft_ids_to_target(torch.arange(old_cfg.draft_vocab_size))
+    checked = load_checked_drafter(old_dir, text, hf_indices, f"init drafter {old_dir} cannot start training on "
+                                   f"target {target_path}", id_rule=id_rule, embed_tokens=embed, dtype=dtype)
+    old, old_cfg, mismatches = checked.model, checked.config, checked.warnings  # old_dir read, checked, loaded once
     target_rows = rows if new_row_init == "target_lm_head" else None
-    weight, stats = remap_lm_head(old.lm_head.weight.detach(), old_ids, new_ids, new_row_init, target_rows)
+    weight, stats = remap_lm_head(old.lm_head.weight.detach(), checked.target_ids, new_ids, new_row_init, target_rows)
     tmax = int(text["max_position_embeddings"])
     hf_indices = list(hf_indices or old_cfg.aux_hf_indices or default_h)
     cfg = old_cfg.replace(draft_vocab_size=int(new_ids.numel()), aux_hf_indices=hf_indices, max_position_embeddings=tmax)

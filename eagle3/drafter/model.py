@@ -115,10 +115,10 @@ class DrafterConfig(DrafterShape):
         """Parse a drafter `config.json` dict; raise ValueError naming what cannot be served. Its aux
         layer ids become hidden-state indices by `id_rule` (the serving engine's reading, aux_layers.RULES)."""
         sizes = config_sizes(d)
+        theta, scaling = rope_settings(d)
         # every switch an engine reads must mean this model's forward (layers, biases, norms, ...): drafter_keys
         keys = drafter_keys.check_config(d, "sglang")
         keys.raise_if_refused()
-        theta, scaling = rope_settings(d)
         ids = aux_layers.listed_aux_ids(d)
         return cls(
             **sizes,
@@ -174,6 +174,13 @@ def config_sizes(d: Mapping[str, Any]) -> dict[str, int]:
         "draft_vocab_size": int(d.get("draft_vocab_size") or d["vocab_size"]),
         "target_hidden_size": int(d.get("target_hidden_size") or hidden),
     }
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as the model defines them (embed_tokens excluded)."""
+    with torch.device("meta"):
+        model = Eagle3Drafter(cfg)
+    return {k: tuple(v.shape) for k, v in model.export_state_dict().items()}
 
 
 def rope_settings(d: Mapping[str, Any], default_theta: Optional[float] = DEFAULT_ROPE_THETA

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.formats import release_format
+from eagle3.formats.weight_files import INDEX, WEIGHTS, indexed_files
 from eagle3.config.choices import TARGET_LAYOUTS as LAYOUTS
 from eagle3.config.dtypes import torch_dtype
 from eagle3.errors import StageError
@@ -99,16 +100,15 @@ def read_text_config(target_path: str | Path, layout: str) -> dict:
 
 
 def _weight_files(target_path: Path) -> dict[str, Path]:
-    """Tensor name -> shard file, from model.safetensors.index.json or a single model.safetensors."""
-    index = target_path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: target_path / f for name, f in weight_map.items()}
-    single = target_path / "model.safetensors"
+    """Tensor name -> shard file, by the one rule (eagle3/formats/weight_files.py): the index, else a single file."""
+    files = indexed_files(target_path)
+    if files is not None:
+        return files
+    single = target_path / WEIGHTS
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
             return {name: single for name in f.keys()}
-    raise TargetError(f"target {target_path}: no model.safetensors.index.json or model.safetensors")
+    raise TargetError(f"target {target_path}: no {INDEX} or {WEIGHTS}")
 
 
 def _find_tensor(target_path: str | Path, names: list[str]) -> tuple[str, Path]:
