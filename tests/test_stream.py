@@ -294,6 +294,7 @@ def test_nan_samples_are_counted_skips_and_the_stream_batches_the_offline_stores
                           Dist())
     assert not set(skipped) & set(HiddenStateStore(offline / "train").ids)
     # the same windows over the same stored sequences: the stream's batches are the offline store's, id for id
+    from train.setup import stream_conf
     from train.spool_source import SpoolStore, StoreWindows, make_stream
     cfg = train_config(world, tmp_path, spool.root.parent, "got", **{"data.source": "stream"})
     items = SpoolStore(spool.root, "sha256", 60, 30)
@@ -301,7 +302,8 @@ def test_nan_samples_are_counted_skips_and_the_stream_batches_the_offline_stores
 
     def plan_ids(stream, source):
         return [[source[p]["id"] for p in batch] for _, batch in stream.iterate()]
-    assert plan_ids(make_stream(cfg, items, 0, 1), items) == plan_ids(make_stream(cfg, view, 0, 1), view)
+    conf = stream_conf(cfg)
+    assert plan_ids(make_stream(conf, items, 0, 1), items) == plan_ids(make_stream(conf, view, 0, 1), view)
     # and it trains to the end; the schedule was sized on the planned sequences, so it may end a step early
     got = run_train(cfg)
     m = json.loads((got / "manifest.json").read_text())

@@ -19,6 +19,7 @@ import torch
 from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.input_errors import TrainInputError  # noqa: F401 (its home; re-exported: train.inputs.TrainInputError)
+from train.setup import stream_conf
 
 log = logging.getLogger(__name__)
 VOCAB_FILE = "vocab.safetensors"
@@ -72,12 +73,14 @@ def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"].long(), tensors["t2d"].bool()
 
 
-def open_inputs(config) -> TrainInputs:
+def open_inputs(config, stream=None) -> TrainInputs:
+    """The run's inputs; `stream`: its StreamConf (train/setup.py; built here when not given)."""
     capture_dir, vocab_dir = Path(config.capture_dir), Path(config.vocab_dir)
-    if config.data.source == "stream":  # the producer captures the held-out split first, then writes the manifest
+    stream = stream or stream_conf(config)
+    if stream.source == "stream":  # the producer captures the held-out split first, then writes the manifest
         from train.spool_source import wait_for_producer
 
-        wait_for_producer(config, lambda: (capture_dir / "manifest.json").is_file(),
+        wait_for_producer(stream, lambda: (capture_dir / "manifest.json").is_file(),
                           "the capture manifest (the producer captures the held-out split first)")
     try:
         capture_manifest = read_manifest(capture_dir, "capture")
@@ -86,11 +89,10 @@ def open_inputs(config) -> TrainInputs:
     except ManifestError as e:
         raise TrainInputError(str(e)) from e
     warnings = []
-    if config.data.source == "stream":
-        from train.spool_source import SpoolStore, spool_root
+    if stream.source == "stream":
+        from train.spool_source import open_spool
 
-        d = config.data
-        train = SpoolStore(spool_root(config), d.verify, d.stream_timeout_s, d.stream_status_s)
+        train = open_spool(stream)
     else:
         train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
     val = None

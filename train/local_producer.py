@@ -15,14 +15,13 @@ from pathlib import Path
 
 from eagle3 import REPO_ROOT
 from eagle3.formats.spool import Spool
-from train.spool_source import spool_root
 
 LOG_NAME = "producer.log"
 STOP_WAIT_S = 10.0
 
 
-def producer_overrides(config) -> list[str]:
-    """The capture overrides that make a producer write exactly the spool this train config reads."""
+def producer_overrides(config, spool: Path) -> list[str]:
+    """The capture overrides that make a producer write exactly the spool (`spool`) this train config reads."""
     t, i = config.target, config.init
     over = [f"paths.root={config.paths.root}", f"target={t.name}"]
     over += [f"target.{k}={_value(getattr(t, k))}" for k in ("path", "tokenizer", "layout", "dtype", "device_map",
@@ -30,32 +29,32 @@ def producer_overrides(config) -> list[str]:
     if i.name != "scratch":  # the layer ids come from the init drafter, as a capture for it reads them
         over += [f"+init={i.name}", f"init.drafter_path={i.drafter_path}", f"init.aux_id_rule={i.aux_id_rule}"]
     return over + list(config.data.producer_args) + [f"out_dir={config.capture_dir}", "stream.enabled=true",
-                                                     f"stream.dir={spool_root(config)}"]
+                                                     f"stream.dir={spool}"]
 
 
 def _value(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def producer_command(config) -> list[str]:
-    return [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *producer_overrides(config)]
+def producer_command(config, spool: Path) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "data" / "run_capture.py"), *producer_overrides(config, spool)]
 
 
 @contextmanager
-def local_producer(config, main: bool):
-    """Start the producer for the span of the run (main process only), unless one is running or done."""
-    if not (main and config.data.source == "stream" and config.data.producer == "local"):
+def local_producer(config, stream, main: bool):
+    """Start the producer for the span of the run (main process only), unless one is running or done.
+    `stream`: the run's StreamConf (train/setup.py: the spool, the timeout)."""
+    if not (main and stream.source == "stream" and config.data.producer == "local"):
         yield None
         return
-    root = spool_root(config)
-    spool = Spool(root)
-    if spool.end() is not None or spool.live_status(config.data.stream_timeout_s):
+    cmd = producer_command(config, stream.spool)
+    spool = Spool(stream.spool)
+    if spool.end() is not None or spool.live_status(stream.timeout_s):
         print(f"[train] {spool.root}: a producer is running or the stream is complete; not starting another")
         yield None
         return
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = producer_command(config)
     log = open(out / LOG_NAME, "a")
     print(f"[train] starting the producer (log {out / LOG_NAME}): {' '.join(cmd[1:])}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}

@@ -1,6 +1,7 @@
 """The train stage's windowed sources (data.order=windows): the spool a running producer fills
 (data.source=stream, `SpoolStore`) and an offline store read in the same stream order (`StoreWindows`),
-and the one function that builds the batch stream for either (`make_stream`).
+and the one function that builds the batch stream for either (`make_stream`). What they read of the config is
+one StreamConf (train/setup.py), resolved once.
 
 Stream positions are the stored sequences in stream order (prepared row index, recapture passes one after
 another; a skipped sample has no position). So a spool and an offline store of the same sequences give the
@@ -24,16 +25,14 @@ PAUSED_DEADLOCK_S = 5.0  # a producer paused this long while the trainer waits c
 PRODUCER_HINT = 'make capture-hidden ARGS="stream.enabled=true ..." (the same capture config)'
 
 
-def spool_root(config) -> Path:
-    """The spool of a data.source=stream run: data.spool_dir, absolute or inside capture_dir."""
-    d = Path(config.data.spool_dir)
-    return d if d.is_absolute() else Path(config.capture_dir) / d
-
-
-def wait_for_producer(config, ready, what: str) -> None:
+def wait_for_producer(conf, ready, what: str) -> None:
     """Wait, as a spool consumer waits, for something the producer writes (status lines, the timeout)."""
-    d = config.data
-    SpoolStore.waiter(spool_root(config), d.stream_timeout_s, d.stream_status_s)._wait_for(ready, what)
+    SpoolStore.waiter(conf.spool, conf.timeout_s, conf.status_s)._wait_for(ready, what)
+
+
+def open_spool(conf) -> "SpoolStore":
+    """The train split a producer streams into the spool of `conf` (a StreamConf)."""
+    return SpoolStore(conf.spool, conf.verify, conf.timeout_s, conf.status_s)
 
 
 def live_figures(producer: dict, used_bytes: int, trainer_wait_s: float, trainer_elapsed_s: float) -> dict:
@@ -243,27 +242,33 @@ class StoreWindows:
         return self.store[self.order[p]]
 
 
-def make_stream(config, items, rank: int, world_size: int):
-    """The batch stream of this run (data.order resolved once, in the config schema). A spool's windows take
-    the lengths of what was stored (its skips, waiting for each window); an offline store's, the planned ones."""
-    d = config.data
-    if d.resolved_order() == "epochs":
-        return BatchStream(items.lengths, d.max_tokens_per_batch, d.max_length, config.seed, rank, world_size,
-                           d.bucket_window)
-    if isinstance(items, SpoolStore):
-        return _windowed(config, lambda w: items.window_lengths(w, d.window_sequences), rank, world_size)
-    return planned_stream(config, items, rank, world_size)
+def make_stream(conf, items, rank: int, world_size: int):
+    """The batch stream of this run (`conf`: its StreamConf). A spool's windows take the lengths of what was
+    stored (its skips, waiting for each window); an offline store's, the planned ones."""
+    if conf.order == "epochs":
+        return BatchStream(items.lengths, conf.max_tokens_per_batch, conf.max_length, conf.seed, rank, world_size,
+                           conf.bucket_window)
+    if not isinstance(items, SpoolStore):
+        return planned_stream(conf, items, rank, world_size)
+    return _windowed(conf, lambda w: items.window_lengths(w, conf.window_sequences), rank, world_size)
 
 
-def planned_stream(config, items, rank: int, world_size: int) -> WindowedStream:
+def sized_streams(conf, items, rank: int, world_size: int):
+    """(the batch stream, the stream the LR schedule is sized on): for windows the planned lengths (a stream's
+    skips end it a little early), for epochs the stream itself."""
+    planned = planned_stream(conf, items, rank, world_size) if conf.order != "epochs" else None
+    stream = make_stream(conf, items, rank, world_size)
+    return stream, planned or stream
+
+
+def planned_stream(conf, items, rank: int, world_size: int) -> WindowedStream:
     """The stream the planned lengths give (every length known up front): what total steps are sized on."""
-    d, S = config.data, config.data.window_sequences
-    return _windowed(config, lambda w: [min(n, d.max_length) for n in items.lengths[w * S:(w + 1) * S]], rank,
+    S = conf.window_sequences
+    return _windowed(conf, lambda w: [min(n, conf.max_length) for n in items.lengths[w * S:(w + 1) * S]], rank,
                      world_size)
 
 
-def _windowed(config, lengths, rank: int, world_size: int) -> WindowedStream:
+def _windowed(conf, lengths, rank: int, world_size: int) -> WindowedStream:
     """This run's windowed stream over `lengths(w)`, the lengths of window w."""
-    d = config.data
-    return WindowedStream(lengths, d.window_sequences, d.reuse, d.max_tokens_per_batch, d.max_length, config.seed,
-                          rank, world_size, d.bucket_window)
+    return WindowedStream(lengths, conf.window_sequences, conf.reuse, conf.max_tokens_per_batch, conf.max_length,
+                          conf.seed, rank, world_size, conf.bucket_window)

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 def run_train(config) -> Path:
     setup = train_setup(config)  # the autos, the accelerator, the plain config: once (train/setup.py)
     stage = StageDir(setup.out, "train", TrainInputError)
-    with local_producer(config, setup.main):  # data.producer=local: the streaming producer, for the run's span
-        inputs = open_inputs(config)
+    with local_producer(config, setup.stream, setup.main):  # data.producer=local: the producer, for the run's span
+        inputs = open_inputs(config, setup.stream)
         for w in inputs.warnings:
             log.warning(w)
         # train's own rule: the same init drafter (its weights' fingerprint), beside the input stages'

@@ -42,7 +42,7 @@ from train.model_setup import build_drafter, drafter_from_state, write_drafter_d
 from train.prefetch import DevicePrefetcher
 from train.progress import StepStats, progress_bar
 from train.setup import TrainSetup
-from train.spool_source import SpoolStore, StoreWindows, live_postfix, make_stream, planned_stream
+from train.spool_source import SpoolStore, StoreWindows, live_postfix, sized_streams
 from train.validate import run_validation, simulated_accept_length
 
 log = logging.getLogger(__name__)
@@ -107,10 +107,8 @@ class Trainer:
         # the data: what stream positions index (the store, or a spool), this rank's stream, the steps it gives
         self.items = stream_items(config, inputs)
         self.spool = self.items if isinstance(self.items, SpoolStore) else None
-        self.stream = make_stream(config, self.items, setup.rank, setup.world)
-        # what the schedule is sized on: for windows the planned lengths (a stream's skips end it a little early)
-        self.sizing = planned_stream(config, self.items, setup.rank, setup.world) \
-            if isinstance(self.stream, WindowedStream) else self.stream
+        # and what the schedule is sized on: for windows the planned lengths (a stream's skips end it a little early)
+        self.stream, self.sizing = sized_streams(setup.stream, self.items, setup.rank, setup.world)
         self.total, self.per_epoch = total_steps(config, self.sizing)
         self.epoch_batches = self.sizing.batches_per_epoch()
         self.stream_ended_at: Optional[int] = None
