@@ -20,14 +20,14 @@ class HFGenerator:
 
     def __init__(self, model, tokenizer, *, temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 256,
                  seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False,
-                 no_repeat_ngram_size: int = 0):
+                 no_repeat_ngram_size: int = 0, sampled_opening_tokens: int = 0):
         import torch
 
         self.model, self.tok = model, tokenizer
         self.cut_at_round_trip = cut_at_round_trip
         self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
         self.max_positions = max_positions
-        self.no_repeat_ngram_size = no_repeat_ngram_size
+        self.no_repeat_ngram_size, self.sampled_opening_tokens = no_repeat_ngram_size, sampled_opening_tokens
         stop = {tokenizer.eos_token_id}
         vocab = tokenizer.get_vocab()
         end_turn = vocab.get("<|im_end|>")
@@ -50,7 +50,8 @@ class HFGenerator:
                    max_new_tokens=regen_conf.max_new_tokens, seed=regen_conf.seed,
                    max_positions=text_config.get("max_position_embeddings"),
                    cut_at_round_trip=regen_conf.cut_at_round_trip,
-                   no_repeat_ngram_size=regen_conf.no_repeat_ngram_size)
+                   no_repeat_ngram_size=regen_conf.no_repeat_ngram_size,
+                   sampled_opening_tokens=regen_conf.sampled_opening_tokens)
 
     def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -85,7 +86,8 @@ class HFGenerator:
 
             base = self.seed if seed is None else seed
             kwargs["logits_processor"] = LogitsProcessorList([PerRowSampler(
-                [row_seed(base, t) for t in texts], temp, self.top_p if top_p is None else top_p, self._device)])
+                [row_seed(base, t) for t in texts], temp, self.top_p if top_p is None else top_p, self._device,
+                opening=(longest, self.sampled_opening_tokens) if self.sampled_opening_tokens else None)])
         if self.cut_at_round_trip:
             from transformers import StoppingCriteriaList
 

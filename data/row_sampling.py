@@ -10,6 +10,7 @@ its own prompt and its own tokens alone (a row's stream advances once per step i
 from __future__ import annotations
 
 import hashlib
+from typing import Optional
 
 import torch
 
@@ -33,13 +34,17 @@ def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 class PerRowSampler:
     """A transformers LogitsProcessor: row i samples with its own generator (seeds[i])."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device):
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device, *,
+                 opening: Optional[tuple[int, int]] = None):
+        """`opening` = (prompt length, k): sample only the first k tokens after the prompt, greedy after them."""
         if temperature <= 0:
             raise ValueError("PerRowSampler: temperature must be > 0 (greedy needs no sampler)")
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.opening = temperature, top_p, opening
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.opening and input_ids.shape[1] - self.opening[0] >= self.opening[1]:
+            return scores  # past the opening: the (guarded) argmax
         logits = scores.float() / self.temperature                                  # [B, V]
         logits = logits.masked_fill(~nucleus_mask(logits, self.top_p), float("-inf"))
         uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device)

@@ -49,6 +49,10 @@ class RegenerateConf:
     # stored token differs from the target's argmax only where it fired (the accept sim counts those as
     # mismatches: eagle3/replay/accept_sim.py)
     no_repeat_ngram_size: int = 0
+    # hf backend, temperature > 0: sample only the first N tokens of each answer, greedy after them (0: every token
+    # sampled). A small target's greedy answers barely depend on the prompt; a sampled opening sets them apart
+    # while the rest of each answer stays the target's argmax path
+    sampled_opening_tokens: int = 0
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
     def validate(self) -> None:
@@ -60,10 +64,14 @@ class RegenerateConf:
         if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_size == 1:
             raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size}: 0 (off) or >= 2 "
                               "(1 would forbid every token already in the conversation)")
-        if self.no_repeat_ngram_size and self.backend != "hf":
-            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size} needs backend=hf: the "
-                              "OpenAI chat API (SGLang, vLLM) has no n-gram guard, so the server's text would not "
-                              "be what the setting says")
+        if self.sampled_opening_tokens < 0 or (self.sampled_opening_tokens and self.temperature <= 0):
+            raise ConfigError(f"regenerate.sampled_opening_tokens={self.sampled_opening_tokens}: >= 0, and it needs "
+                              "temperature > 0 (the opening's temperature)")
+        if (self.no_repeat_ngram_size or self.sampled_opening_tokens) and self.backend != "hf":
+            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size} and sampled_opening_tokens="
+                              f"{self.sampled_opening_tokens} need backend=hf: the OpenAI chat API (SGLang, vLLM) has "
+                              "neither an n-gram guard nor a sampled opening, so the server's text would not be what "
+                              "the settings say")
 
 
 @dataclass
