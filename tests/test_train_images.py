@@ -58,9 +58,10 @@ def layer_inputs(objective, batch, rows):
 def drafter_and_rows(image_world, tmp_path_factory):
     cfg = config(image_world, tmp_path_factory.mktemp("d") / "run")
     from train.inputs import open_inputs
+    from train.setup import stream_conf
     from train.model_setup import build_drafter
 
-    drafter, report = build_drafter(cfg, open_inputs(cfg))
+    drafter, report = build_drafter(cfg, open_inputs(cfg, stream_conf(cfg)))
     return drafter.float(), report["lm_head_rows"].float()
 
 
@@ -113,9 +114,10 @@ def test_a_text_store_trains_exactly_as_before(tiny_k25_target, tmp_path):
     cfg = config(world, tmp_path / "run")
     drafter = init_drafter(cfg).float()
     from train.inputs import open_inputs
+    from train.setup import stream_conf
     from train.model_setup import build_drafter
 
-    _, report = build_drafter(cfg, open_inputs(cfg))
+    _, report = build_drafter(cfg, open_inputs(cfg, stream_conf(cfg)))
     rows = report["lm_head_rows"].float()
     store = HiddenStateStore(world["capture"] / "train")
     assert store.image_token_id is None

@@ -19,7 +19,7 @@ import torch
 from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.input_errors import TrainInputError  # noqa: F401 (its home; re-exported: train.inputs.TrainInputError)
-from train.setup import stream_conf
+from train.setup import StreamConf
 
 log = logging.getLogger(__name__)
 VOCAB_FILE = "vocab.safetensors"
@@ -37,17 +37,6 @@ class TrainInputs:
     vocab_manifest: dict
     fingerprints: dict           # role -> manifest sha256 of each input stage directory
     warnings: list
-
-
-def _open_store(path: Path, verify: str, role: str) -> HiddenStateStore:
-    try:
-        store = HiddenStateStore(path, verify=verify)
-    except StoreError as e:
-        raise TrainInputError(f"{role} store: {e}") from e
-    if len(store) == 0:
-        raise TrainInputError(f"{role} store {path} holds no sequences (empty split); capture more data "
-                              f"or point capture_dir elsewhere")
-    return store
 
 
 def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +62,9 @@ def load_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"].long(), tensors["t2d"].bool()
 
 
-def open_inputs(config, stream=None) -> TrainInputs:
-    """The run's inputs; `stream`: its StreamConf (train/setup.py; built here when not given)."""
+def open_inputs(config, stream: StreamConf) -> TrainInputs:
+    """The run's inputs; `stream`: its StreamConf (train/setup.py stream_conf)."""
     capture_dir, vocab_dir = Path(config.capture_dir), Path(config.vocab_dir)
-    stream = stream or stream_conf(config)
     if stream.source == "stream":  # the producer captures the held-out split first, then writes the manifest
         from train.spool_source import wait_for_producer
 
@@ -88,20 +76,28 @@ def open_inputs(config, stream=None) -> TrainInputs:
         fps = {"capture": fingerprint(capture_dir), "vocab": fingerprint(vocab_dir)}
     except ManifestError as e:
         raise TrainInputError(str(e)) from e
-    warnings = []
+    warnings, stores, splits = [], {}, []  # splits: (role, the store directory to open)
     if stream.source == "stream":
         from train.spool_source import open_spool
 
-        train = open_spool(stream)
+        stores["train"] = open_spool(stream)
     else:
-        train = _open_store(capture_dir / config.data.train_split, config.data.verify, "train")
-    val = None
+        splits.append(("train", capture_dir / config.data.train_split))
     if config.data.val_split:
         vdir = capture_dir / config.data.val_split
         if (vdir / "manifest.json").is_file():
-            val = _open_store(vdir, config.data.verify, "validation")
+            splits.append(("validation", vdir))
         else:
             warnings.append(f"no validation store at {vdir}: validation is skipped")
+    for role, path in splits:  # each opened (verify: data.verify) and non-empty, train first
+        try:
+            stores[role] = HiddenStateStore(path, verify=stream.verify)
+        except StoreError as e:
+            raise TrainInputError(f"{role} store: {e}") from e
+        if len(stores[role]) == 0:
+            raise TrainInputError(f"{role} store {path} holds no sequences (empty split); capture more data "
+                                  f"or point capture_dir elsewhere")
+    train, val = stores["train"], stores.get("validation")
     d2t, t2d = load_vocab(vocab_dir)
     _check_target_of_capture(config, capture_manifest, t2d, warnings)
     prep_c = (capture_manifest.get("inputs") or {}).get("prepare", {}).get("fingerprint")
@@ -109,9 +105,7 @@ def open_inputs(config, stream=None) -> TrainInputs:
     if prep_c and prep_v and prep_c != prep_v:
         warnings.append(f"vocab ({vocab_dir}) and capture ({capture_dir}) were built from different prepared "
                         f"datasets; fine if both use the same tokenizer, otherwise rebuild the vocab")
-    for store, role in ((train, "train"), (val, "validation")):
-        if store is None:
-            continue
+    for role, store in stores.items():
         if store.hf_indices != train.hf_indices or store.hidden_size != train.hidden_size:
             raise TrainInputError(f"{role} store {store.dir}: aux hidden states h = {store.hf_indices} / hidden "
                                   f"{store.hidden_size} differ from the train store's (h = {train.hf_indices} / "

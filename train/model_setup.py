@@ -14,6 +14,7 @@ from eagle3.drafter.initial import build_training_drafter
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.drafter.vocab_map import ids_from_d2t
 from train.inputs import VOCAB_FILE, TrainInputError, open_inputs
+from train.setup import stream_conf
 
 
 def build_drafter(config, inputs) -> tuple[Eagle3Drafter, dict]:
@@ -64,7 +65,7 @@ def check_fits_drafter(inputs, drafter: Eagle3Drafter, lm_head_rows: torch.Tenso
 def init_drafter(config) -> Eagle3Drafter:
     """The drafter a train run with this config starts from (0 training tokens), its inputs opened and
     checked as the run would: the study's first curve point (pipeline/study.py)."""
-    drafter, _ = build_drafter(config, open_inputs(config))
+    drafter, _ = build_drafter(config, open_inputs(config, stream_conf(config)))
     return drafter
 
 

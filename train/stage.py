@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 
 def run_train(config) -> Path:
     setup = train_setup(config)  # the autos, the accelerator, the plain config: once (train/setup.py)
-    stage = StageDir(setup.out, "train", TrainInputError)
     with local_producer(config, setup.stream, setup.main):  # data.producer=local: the producer, for the run's span
         inputs = open_inputs(config, setup.stream)
         for w in inputs.warnings:
             log.warning(w)
+        stage = StageDir(setup.out, "train", TrainInputError)  # an interrupted publish of out put back first
         # train's own rule: the same init drafter (its weights' fingerprint), beside the input stages'
         if stage.reused({"config": setup.plain, "init_fingerprint": init_fingerprint(config)},
                         needs=[f"{FINAL}/config.json"], inputs=inputs.fingerprints):

@@ -14,6 +14,13 @@ from fault_helpers import (copy_tree, export_config, file_size_limit, flip_byte,
                            truncate)
 
 
+def open_train_inputs(config):
+    from train.inputs import open_inputs
+    from train.setup import stream_conf
+
+    return open_inputs(config, stream_conf(config))
+
+
 def first_shard(store_dir: Path) -> Path:
     m = json.loads((store_dir / "manifest.json").read_text())
     return store_dir / m["shards"][0]["file"]
@@ -23,13 +30,13 @@ def first_shard(store_dir: Path) -> Path:
 
 def test_truncated_shard_is_named_by_training_and_export(pipeline, tmp_path):
     from export.stage import ExportError, run_export
-    from train.inputs import TrainInputError, open_inputs
+    from train.inputs import TrainInputError
 
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
     shard = first_shard(world["capture"] / "train")
     truncate(shard)
     with pytest.raises(TrainInputError, match=rf"{shard.name}.*(truncated|corrupt)"):
-        open_inputs(train_config(world, tmp_path / "t"))
+        open_train_inputs(train_config(world, tmp_path / "t"))
     vshard = first_shard(world["capture"] / "validation")
     truncate(vshard)
     with pytest.raises(ExportError, match=rf"{vshard.name}.*(truncated|corrupt)"):
@@ -38,14 +45,14 @@ def test_truncated_shard_is_named_by_training_and_export(pipeline, tmp_path):
 
 def test_bit_flipped_shard_is_named_when_hashes_are_checked(pipeline, tmp_path):
     from eagle3.formats.store import HiddenStateStore, StoreError
-    from train.inputs import TrainInputError, open_inputs
+    from train.inputs import TrainInputError
 
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
     shard = first_shard(world["capture"] / "train")
     flip_byte(shard, offset_from_end=101)
     with pytest.raises(StoreError, match=rf"{shard.name}: sha256 mismatch"):
         HiddenStateStore(world["capture"] / "train", verify="sha256").verify_all()
-    inputs = open_inputs(train_config(world, tmp_path / "t", **{"data.verify": "sha256"}))
+    inputs = open_train_inputs(train_config(world, tmp_path / "t", **{"data.verify": "sha256"}))
     with pytest.raises(StoreError, match=rf"{shard.name}: sha256 mismatch.*rerun capture"):
         for i in range(len(inputs.train)):
             inputs.train[i]
@@ -53,26 +60,24 @@ def test_bit_flipped_shard_is_named_when_hashes_are_checked(pipeline, tmp_path):
 
 
 def test_bit_flipped_shard_is_caught_with_default_train_settings(pipeline, tmp_path):
-    from train.inputs import open_inputs
-
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
     flip_byte(first_shard(world["capture"] / "train"), offset_from_end=101)
     with pytest.raises(Exception, match="shard"):
-        inputs = open_inputs(train_config(world, tmp_path / "t"))
+        inputs = open_train_inputs(train_config(world, tmp_path / "t"))
         for i in range(len(inputs.train)):
             inputs.train[i]
 
 
 def test_corrupt_store_and_stage_manifests_are_named(pipeline, tmp_path):
-    from train.inputs import TrainInputError, open_inputs
+    from train.inputs import TrainInputError
 
     world = {**pipeline, "capture": copy_tree(pipeline["capture"], tmp_path / "capture")}
     truncate(world["capture"] / "train" / "manifest.json")
     with pytest.raises(TrainInputError, match=r"train/manifest.json.*unreadable"):
-        open_inputs(train_config(world, tmp_path / "t"))
+        open_train_inputs(train_config(world, tmp_path / "t"))
     (world["capture"] / "manifest.json").write_text('{"stage": "capt')
     with pytest.raises(TrainInputError, match=r"capture/manifest.json: not valid JSON"):
-        open_inputs(train_config(world, tmp_path / "t"))
+        open_train_inputs(train_config(world, tmp_path / "t"))
 
 
 def test_write_failing_partway_keeps_finished_shards_and_a_rerun_completes(tmp_path):
@@ -157,12 +162,12 @@ def test_bit_flipped_final_drafter_is_not_exported(pipeline, tmp_path):
 
 
 def test_corrupt_vocab_file_is_named_by_training(pipeline, tmp_path):
-    from train.inputs import TrainInputError, open_inputs
+    from train.inputs import TrainInputError
 
     world = {**pipeline, "vocab": copy_tree(pipeline["vocab"], tmp_path / "vocab")}
     truncate(world["vocab"] / "vocab.safetensors")
     with pytest.raises(TrainInputError, match=r"vocab.safetensors: unreadable.*rerun the vocab stage"):
-        open_inputs(train_config(world, tmp_path / "t"))
+        open_train_inputs(train_config(world, tmp_path / "t"))
 
 
 # ------------------------------------------------------------------ the export directory
