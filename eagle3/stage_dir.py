@@ -3,7 +3,7 @@
   inputs   `StageDir.input(dir, stage)`: an input stage's manifest, finished and of the right kind, else the
            stage's own error (a StageError: one line, exit 1);
   reuse    `StageDir.reused(expected, needs=..., inputs=..., rule=...)`: the recorded manifest when `out` holds a
-           finished run recording exactly `expected` (eagle3/formats/manifest.py stale_keys), the files it needs,
+           finished run recording exactly `expected` (eagle3/config/conf.py differing_keys), the files it needs,
            its inputs' fingerprints, and passing the stage's own rule (passed in: it stays in the stage);
   work     in place (`begin()` first: the old manifest goes, so a crash never leaves one vouching for other data)
            or in `staging()` (a directory on out's filesystem, removed if the work fails);
@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from eagle3.config.conf import differing_keys
 from eagle3.errors import StageError
-from eagle3.formats.manifest import MANIFEST, ManifestError, read_manifest, stale_keys, write_manifest
+from eagle3.formats.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 
 
 class StageDir:
@@ -48,9 +49,12 @@ class StageDir:
         """The recorded manifest when `out` holds a finished run to reuse, else None: it records exactly
         `expected` (top-level keys, e.g. {"config": cfg, "fingerprints": {...}}), holds every path of `needs`,
         records `inputs` (role -> fingerprint) for its input stage directories, and `rule(manifest)` holds."""
-        if stale_keys(self.out, self.stage, expected) or not all((self.out / n).exists() for n in needs):
+        try:
+            manifest = read_manifest(self.out, self.stage)
+        except ManifestError:  # none, or not a finished manifest of this stage
             return None
-        manifest = read_manifest(self.out, self.stage)
+        if differing_keys(expected, manifest) or not all((self.out / n).exists() for n in needs):
+            return None
         if inputs is not None:
             recorded = {role: entry.get("fingerprint") for role, entry in (manifest.get("inputs") or {}).items()
                         if isinstance(entry, dict)}

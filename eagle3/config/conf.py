@@ -1,6 +1,7 @@
 """Config plumbing shared by every stage: the `repo_root` resolver, the stage schemas as Hydra's
 base configs, composing a stage's primary config (for tests and the demo), and turning a DictConfig
-into its typed schema.
+into its typed schema; the config as a manifest records it (as_plain_dict, as_recorded) and the reuse
+rule's comparison of a recorded one with today's (differing_keys).
 
 One source of defaults: a stage's typed schema (eagle3/config/schema/<stage>.py) is stored in Hydra's
 ConfigStore as `schema/<stage>`, and `conf/<stage>.yaml` names it first in its defaults list, so the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -168,3 +170,56 @@ def as_plain_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [as_plain_dict(v) for v in obj]
     return obj
+
+
+def as_recorded(value: Any) -> Any:
+    """`value` as a manifest records it (as_plain_dict, then JSON: tuples become lists, paths strings)."""
+    return json.loads(json.dumps(as_plain_dict(value), default=str))
+
+
+def differing_keys(expected: dict[str, Any], recorded: dict) -> list[str]:
+    """The reuse rule's comparison (eagle3/formats/manifest.py stale_keys, eagle3/stage_dir.py StageDir.reused):
+    the keys of `expected` (e.g. {"config": cfg, "fingerprints": {...}}) that the manifest `recorded` does not
+    record as they are today, one level deep ("config.lr", "fingerprints.target"); [] when it records them all."""
+    out = []
+    for key, source in expected.items():
+        want, have = as_recorded(source), recorded.get(key)
+        if _same(source, want, have):
+            continue
+        if isinstance(want, dict) and isinstance(have, dict):
+            out += [f"{key}.{k}" for k in sorted(set(want) | set(have), key=str)
+                    if not (k in want and _same_field(source, k, want[k], have))]
+        else:
+            out.append(key)
+    return out
+
+
+def _same(source: Any, want: Any, have: Any) -> bool:
+    """`want` (the recorded form of `source`) matches `have`, where a setting added to a config dataclass after
+    `have` was written counts as the same when it holds its declared default: an upgrade that adds a knob
+    reuses the stage directories written before it."""
+    if want == have:
+        return True
+    if not (isinstance(want, dict) and isinstance(have, dict)) or set(have) - set(want):
+        return False
+    return all(_same_field(source, k, v, have) for k, v in want.items())
+
+
+def _same_field(source: Any, key: str, want: Any, have: dict) -> bool:
+    sub = getattr(source, key, None) if dataclasses.is_dataclass(source) else None
+    if key in have:
+        return _same(sub, want, have[key])
+    default = _declared_default(source, key)
+    return default is not dataclasses.MISSING and as_recorded(default) == want
+
+
+def _declared_default(source: Any, key: str) -> Any:
+    """The default a config dataclass declares for field `key` (MISSING: none, or not a dataclass field)."""
+    if not dataclasses.is_dataclass(source):
+        return dataclasses.MISSING
+    f = next((f for f in dataclasses.fields(source) if f.name == key), None)
+    if f is None:
+        return dataclasses.MISSING
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING

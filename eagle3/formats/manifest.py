@@ -3,7 +3,6 @@ fingerprints of its inputs, library versions and counts. Writes are atomic (temp
 so a reader never sees a half-written file."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -122,62 +121,16 @@ def read_manifest(stage_dir: Path, stage: str | None = None) -> dict:
     return manifest
 
 
-def _as_recorded(value: Any) -> Any:
-    """`value` as a manifest records it (JSON: tuples become lists, paths strings)."""
-    from eagle3.config.conf import as_plain_dict
-
-    return json.loads(json.dumps(as_plain_dict(value), default=str))
-
-
 def stale_keys(stage_dir: Path, stage: str, expected: dict[str, Any]) -> list[str]:
     """The stage skeleton's reuse check, written once: [] when `stage_dir` holds a finished `stage`
     manifest that records exactly `expected` (e.g. {"config": cfg, "fingerprints": {...}}), else what
-    differs: "no manifest" or the differing keys, one level deep ("config.lr", "fingerprints.target").
-    Each stage adds its own completeness conditions (files it needs) and redoes its work when the
-    list is not empty."""
+    differs: "no manifest" or the differing keys, one level deep ("config.lr", "fingerprints.target";
+    eagle3/config/conf.py differing_keys). Each stage adds its own completeness conditions (files it
+    needs) and redoes its work when the list is not empty."""
+    from eagle3.config.conf import differing_keys
+
     try:
         recorded = read_manifest(stage_dir, stage)
     except ManifestError:
         return ["no finished manifest"]
-    out = []
-    for key, source in expected.items():
-        want, have = _as_recorded(source), recorded.get(key)
-        if _same(source, want, have):
-            continue
-        if isinstance(want, dict) and isinstance(have, dict):
-            out += [f"{key}.{k}" for k in sorted(set(want) | set(have), key=str)
-                    if not (k in want and _same_field(source, k, want[k], have))]
-        else:
-            out.append(key)
-    return out
-
-
-def _same(source: Any, want: Any, have: Any) -> bool:
-    """`want` (the recorded form of `source`) matches `have`, where a setting added to a config dataclass after
-    `have` was written counts as the same when it holds its declared default: an upgrade that adds a knob
-    reuses the stage directories written before it."""
-    if want == have:
-        return True
-    if not (isinstance(want, dict) and isinstance(have, dict)) or set(have) - set(want):
-        return False
-    return all(_same_field(source, k, v, have) for k, v in want.items())
-
-
-def _same_field(source: Any, key: str, want: Any, have: dict) -> bool:
-    sub = getattr(source, key, None) if dataclasses.is_dataclass(source) else None
-    if key in have:
-        return _same(sub, want, have[key])
-    default = _declared_default(source, key)
-    return default is not dataclasses.MISSING and _as_recorded(default) == want
-
-
-def _declared_default(source: Any, key: str) -> Any:
-    """The default a config dataclass declares for field `key` (MISSING: none, or not a dataclass field)."""
-    if not dataclasses.is_dataclass(source):
-        return dataclasses.MISSING
-    f = next((f for f in dataclasses.fields(source) if f.name == key), None)
-    if f is None:
-        return dataclasses.MISSING
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+    return differing_keys(expected, recorded)
