@@ -117,23 +117,20 @@ class Trainer:
         self.scheduler, self.warmup = make_scheduler(self.optimizer, config.optim, self.total)
         self.counters = RunCounters()
         self._released_windows = 0
-        if resume is not None:
-            self._restore(resume)
+        if resume is not None:  # the checkpoint's optimizer and schedule state, RNG and counters
+            load_optimizer_state(self.objective, self.optimizer, resume["optimizer"], self.fsdp)
+            self.scheduler.load_state_dict(resume["scheduler"])
+            rng = resume["rng"]
+            ckpt.restore_rng(rng[self.acc.process_index] if isinstance(rng, list) else rng)
+            self.counters = RunCounters.from_state(resume)
+            if resume["total_steps"] != self.total and self.main:
+                print(f"[train] total steps changed {resume['total_steps']} -> {self.total}: the LR schedule continues "
+                      f"for {self.total}")
         if self.main and resume is None and (self.out / MANIFEST).exists():
             (self.out / MANIFEST).unlink()  # a stale manifest must not vouch for this (unfinished) run
         self.t2d = self.drafter.t2d.cpu()  # id checks and loss denominators on host copies (no device sync)
         self.metrics = MetricsLogger(self.out, enabled=self.main, wandb_conf=config.wandb, run_config=setup.plain,
                                      resume_step=self.counters.step if self.resumed else None)
-
-    def _restore(self, resume: dict) -> None:
-        load_optimizer_state(self.objective, self.optimizer, resume["optimizer"], self.fsdp)
-        self.scheduler.load_state_dict(resume["scheduler"])
-        rng = resume["rng"]
-        ckpt.restore_rng(rng[self.acc.process_index] if isinstance(rng, list) else rng)
-        self.counters = RunCounters.from_state(resume)
-        if resume["total_steps"] != self.total and self.main:
-            print(f"[train] total steps changed {resume['total_steps']} -> {self.total}: the LR schedule continues "
-                  f"for {self.total}")
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> Path:
