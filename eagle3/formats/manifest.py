@@ -84,11 +84,12 @@ def write_manifest(stage_dir: Path, stage: str, config: Any, inputs: dict[str, P
         world = world_of_inputs((read_manifest(p) for p in (inputs or {}).values()), f"{stage} stage")
         if world is not None:
             fields = {**fields, WORLD_KEY: world}
+    recorded_inputs = {role: {"path": str(p), "fingerprint": fingerprint(p)} for role, p in (inputs or {}).items()}
     manifest = {
         "stage": stage,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": as_plain_dict(config),
-        "inputs": {role: {"path": str(p), "fingerprint": fingerprint(p)} for role, p in (inputs or {}).items()},
+        "inputs": recorded_inputs,
         "versions": versions(),
         **as_plain_dict(fields),
     }
