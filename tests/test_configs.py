@@ -13,7 +13,7 @@ TARGETLESS = {"mini_world", "demo", "study", "learning_ab"}
 TARGETED = [s for s in STAGES if s not in TARGETLESS]
 TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
 INITS = sorted(p.stem for p in (CONF_DIR / "init").glob("*.yaml"))
-CPU_K2_DRAFTER_STEPS = 80  # conf/demo_size/cpu.yaml (measured: BENCHMARKS.md, "The CPU world's traffic")
+CPU_K2_DRAFTER_STEPS = 160  # conf/demo_size/cpu.yaml (measured: BENCHMARKS.md, "The CPU world's traffic")
 
 
 def test_config_tree_has_required_choices():
