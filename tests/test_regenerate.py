@@ -360,23 +360,24 @@ def test_no_repeat_ngram_guard_needs_the_hf_backend(tmp_path, tiny_k25_target):
         regen_config(tmp_path, tiny_k25_target, corpus, "hf", "regenerate.no_repeat_ngram_size=1")
 
 
-def test_sampled_opening_then_the_argmax_path(k25_generator):
+def test_sampled_opening_then_the_argmax_path(tmp_path, k25_generator):
     """regenerate.sampled_opening_tokens=k: the first k answer tokens are sampled (seeded per prompt), every later
     one is the greedy continuation of what came before, as `generate(do_sample=False)` from that prefix gives it."""
     k, new = 3, 12
-    prompt = [{"role": "user", "content": "hello there, how are you?"}]
-    rec = _RecordingModel(k25_generator.model)
-    gen = HFGenerator(rec, k25_generator.tok, max_new_tokens=new, sampled_opening_tokens=k)
-    gen.generate([prompt], temperature=1.0, seed=3)
-    row = rec.rows[0]
-    head = len(row) - new
-    greedy = HFGenerator(rec, k25_generator.tok, max_new_tokens=new)
-    greedy.generate([prompt])
-    assert row[head:head + k] != rec.rows[0][head:head + k]  # the opening is sampled, not the argmax
+    tok, prompt = k25_generator.tok, [{"role": "user", "content": "hello there, how are you?"}]
+    head = len(tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"])  # the prompt's tokens, as HFGenerator encodes them
+    opened, greedy = _RecordingModel(k25_generator.model), _RecordingModel(k25_generator.model)
+    HFGenerator(opened, tok, max_new_tokens=new, sampled_opening_tokens=k).generate([prompt], temperature=1.0, seed=3)
+    plain = HFGenerator(greedy, tok, max_new_tokens=new)
+    plain.generate([prompt])
+    row = opened.rows[0]
+    assert row[head:head + k] != greedy.rows[0][head:head + k]  # the opening is sampled, not the argmax
     with torch.no_grad():
         tail = k25_generator.model.generate(input_ids=torch.tensor([row[:head + k]]), do_sample=False,
-                                            max_new_tokens=new - k, eos_token_id=greedy.stop_ids,
-                                            pad_token_id=greedy.pad_id)[0].tolist()
+                                            max_new_tokens=new - k, eos_token_id=plain.stop_ids,
+                                            pad_token_id=plain.pad_id)[0].tolist()
     assert tail[:len(row)] == row  # ... and the rest is the argmax path from it
+    corpus = write_corpus(tmp_path / "c.jsonl")
     with pytest.raises(ConfigError, match="sampled_opening_tokens=2: >= 0, and it needs temperature > 0"):
-        regen_config(None, "t", "c", "hf", "regenerate.sampled_opening_tokens=2")
+        regen_config(tmp_path, tmp_path, corpus, "hf", "regenerate.sampled_opening_tokens=2")
