@@ -7,8 +7,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.drafter import vocab_map
 from eagle3.drafter.drafter_io import (CompatibilityError, DrafterLoadError, assert_compatible, check_compatibility,
-                                       check_drafter_dir, compatibility_mismatches, load_drafter_dir, save_drafter_dir)
+                                       check_drafter_dir, compatibility_mismatches, load_drafter_dir, mapping_mismatches,
+                                       raise_on_fatal, save_drafter_dir)
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 
 
@@ -35,6 +37,12 @@ def make_model(cfg=None, seed=0):
     with torch.no_grad():
         m.norm.weight.uniform_(0.5, 1.5)
     return m
+
+
+def pair_mismatches(cfg, d2t, t2d):
+    """A live d2t/t2d pair's check against the config's sizes, as mismatches."""
+    return mapping_mismatches(vocab_map.mapping_problems(d2t, t2d, cfg.draft_vocab_size, cfg.vocab_size),
+                              vocab_map.order_problems(d2t))
 
 
 def tensors_of(d):
@@ -153,7 +161,7 @@ def test_missing_config_or_weights_named(tmp_path):
 def test_compatible_pair_has_no_fatal_mismatch():
     cfg = tiny_cfg(max_position_embeddings=256)
     m = make_model(cfg)
-    assert check_compatibility(cfg, TARGET, [2, 3, 4], d2t=m.d2t, t2d=m.t2d) == []
+    assert check_compatibility(cfg, TARGET, [2, 3, 4]) == [] and pair_mismatches(cfg, m.d2t, m.t2d) == []
     assert assert_compatible(cfg, TARGET, [2, 3, 4]) == []
 
 
@@ -182,13 +190,13 @@ def test_captured_ids_and_mapping_checked():
     assert [m.key for m in found] == ["aux_hf_indices"] and "the store holds h = [3, 4, 5]" in found[0].problem
     m = make_model(cfg)
     short_t2d = m.t2d[:-1]
-    found = compatibility_mismatches(cfg, TARGET, d2t=m.d2t, t2d=short_t2d)
+    found = pair_mismatches(cfg, m.d2t, short_t2d)
     assert found and found[0].key == "d2t/t2d" and found[0].fatal
     with pytest.raises(CompatibilityError, match="t2d has shape"):
-        assert_compatible(cfg, TARGET, d2t=m.d2t, t2d=short_t2d)
+        raise_on_fatal(found, "drafter is not compatible with the target")
     shuffled = m.d2t.clone()                                # draft ids 0 and 1 swap target ids: valid, unsorted
     shuffled[0], shuffled[1] = m.d2t[1] + 1, m.d2t[0] - 1
-    found = compatibility_mismatches(cfg, TARGET, d2t=shuffled, t2d=m.t2d)
+    found = pair_mismatches(cfg, shuffled, m.t2d)
     assert [(f.key, f.fatal) for f in found] == [("d2t", False)] and "strictly increasing" in found[0].problem
 
 

@@ -324,15 +324,13 @@ class Mismatch:
 
 def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dict,
                              hf_indices_captured: Optional[list[int]] = None,
-                             d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
                              listed_ids: Optional[list[int]] = None, id_rule: Optional[str] = None) -> list[Mismatch]:
-    """Every way the drafter does not fit the target (text config dict: hidden_size, num_hidden_layers,
-    vocab_size, max_position_embeddings, ...), and optionally the captured hidden-state indices and the mapping.
-    `listed_ids` / `id_rule`: the config's aux ids and the rule that read them (for the reading's own advice)."""
+    """Every way the drafter's config does not fit the target (text config dict: hidden_size, num_hidden_layers,
+    vocab_size, max_position_embeddings, ...), and optionally the captured hidden-state indices (a d2t/t2d pair has
+    its own check: mapping_mismatches). `listed_ids` / `id_rule`: the config's aux ids and the rule that read them
+    (for the reading's own advice)."""
     c, t = drafter_cfg, target_text_config
     out: list[Mismatch] = []
-    mapping = None if d2t is None or t2d is None else mapping_mismatches(  # listed last
-        vocab_map.mapping_problems(d2t, t2d, c.draft_vocab_size, c.vocab_size), vocab_map.order_problems(d2t))
     H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     if c.hidden_size != H:
         out.append(Mismatch("hidden_size", f"drafter {c.hidden_size} != target {H} (the drafter reads the "
@@ -375,7 +373,7 @@ def compatibility_mismatches(drafter_cfg: DrafterConfig, target_text_config: dic
         mine, theirs = getattr(c, key), t.get(key)
         if mine is not None and theirs is not None and mine != theirs:
             out.append(Mismatch(key, f"drafter {mine} != target {theirs}", f"set {key} to {theirs}", fatal=False))
-    return out + (mapping or [])
+    return out
 
 
 def mapping_mismatches(problems: list[str], order: list[str]) -> list[Mismatch]:
@@ -388,9 +386,9 @@ def mapping_mismatches(problems: list[str], order: list[str]) -> list[Mismatch]:
 
 
 def check_compatibility(drafter_cfg: DrafterConfig, target_text_config: dict,
-                        hf_indices_captured: Optional[list[int]] = None, **mapping) -> list[str]:
+                        hf_indices_captured: Optional[list[int]] = None) -> list[str]:
     """Mismatches as readable lines ('ERROR ...' stops a run, 'WARNING ...' does not)."""
-    return [str(m) for m in compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured, **mapping)]
+    return [str(m) for m in compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured)]
 
 
 def raise_on_fatal(mismatches: list[Mismatch], what: str) -> list[Mismatch]:
@@ -403,8 +401,8 @@ def raise_on_fatal(mismatches: list[Mismatch], what: str) -> list[Mismatch]:
 
 
 def assert_compatible(drafter_cfg: DrafterConfig, target_text_config: dict,
-                      hf_indices_captured: Optional[list[int]] = None, **mapping) -> list[Mismatch]:
-    return raise_on_fatal(compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured, **mapping),
+                      hf_indices_captured: Optional[list[int]] = None) -> list[Mismatch]:
+    return raise_on_fatal(compatibility_mismatches(drafter_cfg, target_text_config, hf_indices_captured),
                           "drafter is not compatible with the target")
 
 
