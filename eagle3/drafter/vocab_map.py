@@ -51,6 +51,11 @@ def d2t_from_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids.long() - torch.arange(ids.numel(), dtype=torch.long)
 
 
+def mapping_from_ids(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [N], t2d [V]) of a draft vocab given as its target ids sorted by id (checked: sorted, unique, in range)."""
+    return d2t_from_ids(ids), t2d_from_ids(ids, vocab_size)
+
+
 def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     """Inverse of d2t_from_ids: target id of every draft id, d2t + arange(N). int64 [N], on d2t's device."""
     return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device)

@@ -12,7 +12,9 @@ Imports only torch, safetensors and transformers (runs on the GPU machine).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
 
@@ -82,7 +84,10 @@ def read_text_config(target_path: str | Path, layout: str) -> dict:
     Has at least hidden_size, num_hidden_layers, vocab_size, max_position_embeddings; rope settings
     are whatever the checkpoint states (`rope_parameters` / `rope_theta` / `rope_scaling`)."""
     _check_layout(layout)
-    cfg = read_full_config(target_path)
+    return _text_config(read_full_config(target_path), target_path, layout)
+
+
+def _text_config(cfg: dict, target_path: str | Path, layout: str) -> dict:
     if layout == "kimi_k25":
         if "text_config" not in cfg:
             raise TargetError(f"{target_path}/config.json: layout kimi_k25 needs a `text_config` "
@@ -99,6 +104,25 @@ def read_text_config(target_path: str | Path, layout: str) -> dict:
     return text
 
 
+@dataclass(frozen=True)
+class TargetParts:
+    """What a drafter built for a target takes from it (read_target_parts)."""
+    text: dict                    # the text model's config (read_text_config)
+    embed_tokens: torch.Tensor    # [V, H], the drafter's frozen embedding
+    lm_head_rows: torch.Tensor    # [N, H], the lm_head rows of the draft vocab
+
+
+def read_target_parts(target_path: str | Path, layout: str, rows: torch.Tensor) -> TargetParts:
+    """The text config, the embeddings and the lm_head `rows` of a target, in one pass over its config.json
+    and weight files (ids out of the head's range: TargetError)."""
+    _check_layout(layout)
+    full = read_full_config(target_path)
+    text = _text_config(full, target_path, layout)
+    files = _weight_files(Path(target_path))
+    embed = _read_tensor(*_find_tensor(target_path, EMBED_NAMES[layout], files))
+    return TargetParts(text, embed, _lm_head_rows(target_path, layout, full, files, rows))
+
+
 def _weight_files(target_path: Path) -> dict[str, Path]:
     """Tensor name -> shard file, by the one rule (eagle3/formats/weight_files.py): the index, else a single file."""
     files = indexed_files(target_path)
@@ -111,9 +135,9 @@ def _weight_files(target_path: Path) -> dict[str, Path]:
     raise TargetError(f"target {target_path}: no {INDEX} or {WEIGHTS}")
 
 
-def _find_tensor(target_path: str | Path, names: list[str]) -> tuple[str, Path]:
-    target_path = Path(target_path)
-    files = _weight_files(target_path)
+def _find_tensor(target_path: str | Path, names: list[str], files: dict[str, Path] | None = None) -> tuple[str, Path]:
+    """(stored name, file) of the first of `names` the checkpoint has (`files`: its weight files, when listed)."""
+    files = _weight_files(Path(target_path)) if files is None else files
     for name in names:
         if name in files:
             if not files[name].is_file():
@@ -124,11 +148,14 @@ def _find_tensor(target_path: str | Path, names: list[str]) -> tuple[str, Path]:
     raise TargetError(f"target {target_path}: none of {names} in the checkpoint{hint}")
 
 
-def load_checkpoint_tensor(target_path: str | Path, names: list[str]) -> torch.Tensor:
-    """Read ONE tensor, the first of `names` the checkpoint has, without loading the model."""
-    name, file = _find_tensor(target_path, names)
+def _read_tensor(name: str, file: Path) -> torch.Tensor:
     with safe_open(str(file), framework="pt") as f:
         return f.get_tensor(name)
+
+
+def load_checkpoint_tensor(target_path: str | Path, names: list[str]) -> torch.Tensor:
+    """Read ONE tensor, the first of `names` the checkpoint has, without loading the model."""
+    return _read_tensor(*_find_tensor(target_path, names))
 
 
 def load_embed_tokens(target_path: str | Path, layout: str) -> torch.Tensor:
@@ -144,25 +171,26 @@ def load_final_norm(target_path: str | Path, layout: str) -> torch.Tensor:
     return load_checkpoint_tensor(target_path, FINAL_NORM_NAMES[layout])
 
 
-def _ties_embeddings(target_path: str | Path, layout: str) -> bool:
-    cfg = read_full_config(target_path)
-    # Kimi_K25Config's top-level tie_word_embeddings wins over text_config's (docs/design.md "Sources").
-    if layout == "kimi_k25":
-        return bool(cfg.get("tie_word_embeddings", True))
-    return bool(cfg.get("tie_word_embeddings", False))
-
-
 def load_lm_head_rows(target_path: str | Path, layout: str, rows: torch.Tensor | None = None,
                       block_rows: int = 8192) -> torch.Tensor:
     """Rows of the target's lm_head [N, H] (all rows when `rows` is None), read block by block
     so that only the wanted rows are ever materialised (the full K2.5 head is 2.3 GB)."""
     _check_layout(layout)
+    return _lm_head_rows(target_path, layout, None, _weight_files(Path(target_path)), rows, block_rows)
+
+
+def _lm_head_rows(target_path: str | Path, layout: str, full: dict | None, files: dict[str, Path],
+                  rows: torch.Tensor | None, block_rows: int = 8192) -> torch.Tensor:
+    """The rows from the listed `files`; `full`: the config.json, when read (else read if the head is absent)."""
     try:
-        name, file = _find_tensor(target_path, LM_HEAD_NAMES[layout])
+        name, file = _find_tensor(target_path, LM_HEAD_NAMES[layout], files)
     except TargetError:
-        if not _ties_embeddings(target_path, layout):
+        # a tied head is the embedding; Kimi_K25Config's top-level tie_word_embeddings wins over text_config's
+        # (docs/design.md "Sources")
+        full = read_full_config(target_path) if full is None else full
+        if not bool(full.get("tie_word_embeddings", layout == "kimi_k25")):
             raise
-        name, file = _find_tensor(target_path, EMBED_NAMES[layout])  # tied head = embedding
+        name, file = _find_tensor(target_path, EMBED_NAMES[layout], files)
     with safe_open(str(file), framework="pt") as f:
         sl = f.get_slice(name)
         V = sl.get_shape()[0]
