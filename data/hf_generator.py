@@ -16,11 +16,13 @@ class HFGenerator:
 
     `cut_at_round_trip`: an answer is kept (and generated) only as far as its text re-tokenizes to
     the generated tokens (data/round_trip.py), finish reason `round_trip` where it was cut; the
-    stored text is then exactly the target's greedy tokens."""
+    stored text is then exactly the target's greedy tokens. `canonical_tokens`: a token whose text
+    would not re-tokenize to itself is never picked (the next candidate is taken instead,
+    data/round_trip.py `canonical_veto`), so such an answer goes on instead of being cut there."""
 
     def __init__(self, model, tokenizer, *, temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 256,
                  seed: int = 0, max_positions: Optional[int] = None, cut_at_round_trip: bool = False,
-                 no_repeat_ngram_size: int = 0, sampled_opening_tokens: int = 0):
+                 no_repeat_ngram_size: int = 0, sampled_opening_tokens: int = 0, canonical_tokens: bool = False):
         import torch
 
         self.model, self.tok = model, tokenizer
@@ -28,6 +30,7 @@ class HFGenerator:
         self.temperature, self.top_p, self.max_new_tokens, self.seed = temperature, top_p, max_new_tokens, seed
         self.max_positions = max_positions
         self.no_repeat_ngram_size, self.sampled_opening_tokens = no_repeat_ngram_size, sampled_opening_tokens
+        self.canonical_tokens = canonical_tokens
         stop = {tokenizer.eos_token_id}
         vocab = tokenizer.get_vocab()
         end_turn = vocab.get("<|im_end|>")
@@ -51,7 +54,8 @@ class HFGenerator:
                    max_positions=text_config.get("max_position_embeddings"),
                    cut_at_round_trip=regen_conf.cut_at_round_trip,
                    no_repeat_ngram_size=regen_conf.no_repeat_ngram_size,
-                   sampled_opening_tokens=regen_conf.sampled_opening_tokens)
+                   sampled_opening_tokens=regen_conf.sampled_opening_tokens,
+                   canonical_tokens=regen_conf.canonical_tokens)
 
     def generate(self, prompts: list[list[dict]], *, max_new_tokens: Optional[int] = None,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -79,15 +83,17 @@ class HFGenerator:
         kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
         if self.no_repeat_ngram_size:  # over each row's prompt and answer (left pads never end a real n-gram)
             kwargs["no_repeat_ngram_size"] = self.no_repeat_ngram_size
-        if temp > 0:
+        if temp > 0 or self.canonical_tokens:
             from transformers import LogitsProcessorList
 
+            from data.round_trip import canonical_veto
             from data.row_sampling import PerRowSampler, row_seed
 
             base = self.seed if seed is None else seed
+            veto = canonical_veto(self.tok, longest, self.stop_ids, self.end_think) if self.canonical_tokens else None
             kwargs["logits_processor"] = LogitsProcessorList([PerRowSampler(
                 [row_seed(base, t) for t in texts], temp, self.top_p if top_p is None else top_p, self._device,
-                opening=(longest, self.sampled_opening_tokens) if self.sampled_opening_tokens else None)])
+                opening=(longest, self.sampled_opening_tokens) if self.sampled_opening_tokens else None, veto=veto)])
         if self.cut_at_round_trip:
             from transformers import StoppingCriteriaList
 

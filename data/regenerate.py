@@ -114,6 +114,8 @@ def settings_of(cfg) -> dict:
         s["no_repeat_ngram_size"] = r.no_repeat_ngram_size
     if r.backend == "hf" and r.sampled_opening_tokens:
         s["sampled_opening_tokens"] = r.sampled_opening_tokens
+    if r.backend == "hf" and r.canonical_tokens:
+        s["canonical_tokens"] = True
     if r.backend == "hf" and r.temperature > 0:  # sampled per prompt (data/row_sampling.py), not per batch as before
         s["sampling"] = "per_prompt"
     return s

@@ -70,3 +70,28 @@ def round_trip_stop(tokenizer, prompt_len: int, stop_ids: Sequence[int], separat
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     return RoundTripStop()
+
+
+def canonical_veto(tokenizer, prompt_len: int, stop_ids: Sequence[int], separator=None):
+    """A `PerRowSampler` veto (data/row_sampling.py): a row may take a token only if the segment it is
+    generating, with that token, still survives the round trip, so the answer goes on as text that
+    re-tokenizes to itself instead of being cut where the first non-canonical token would have stood.
+    A text ending in one partial character is allowed (the next token may complete it); one holding a
+    replacement character before its end never can be, so it is refused. A stop token and a row
+    already stopped are allowed."""
+    stops = set(stop_ids)
+
+    def veto(input_ids, picks: list[int]) -> list[bool]:
+        ok: list[bool] = [True] * len(picks)
+        judged, rows = [], []
+        for i, (row, pick) in enumerate(zip(input_ids[:, prompt_len:].tolist(), picks)):
+            if pick in stops or any(t in stops for t in row):
+                continue
+            judged.append(i)
+            rows.append(last_segment(row + [pick], separator))
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        for i, row, text, back in zip(judged, rows, texts, _encode(tokenizer, texts)):
+            ok[i] = back == row or (text.endswith(REPLACEMENT) and REPLACEMENT not in text[:-1])
+        return ok
+
+    return veto

@@ -302,6 +302,92 @@ def test_row_sampler_draws_per_row_whatever_the_batch():
         PerRowSampler([1], 0.0, 1.0, "cpu")
 
 
+def test_row_sampler_veto_gives_way_to_the_next_candidate():
+    """A refused pick is replaced by the row's next candidate: greedy, the next most likely token; sampled, the next
+    under the same noise (so an allowing veto changes nothing); rows the veto allows keep their pick."""
+    import torch
+
+    from data.row_sampling import PerRowSampler
+
+    scores = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    order = scores.argsort(dim=-1, descending=True)
+    banned = {int(order[0, 0]), int(order[0, 1])}  # row 0's two best tokens (row 1 and 2 may hold them too)
+    refuse = lambda ids, picks: [p not in banned for p in picks]  # noqa: E731
+    greedy = PerRowSampler([0, 0, 0], 0.0, 1.0, "cpu", veto=refuse)
+    picks = greedy(torch.zeros(3, 1, dtype=torch.long), scores).argmax(dim=-1).tolist()
+    for r in range(3):
+        assert picks[r] == next(int(t) for t in order[r] if int(t) not in banned)
+    assert picks[0] == int(order[0, 2]) and greedy.vetoed >= 2
+    allow = lambda ids, picks: [True] * len(picks)  # noqa: E731
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    sampled = lambda veto: PerRowSampler([5, 6, 7], 1.0, 1.0, "cpu", veto=veto)(ids, scores).argmax(-1).tolist()  # noqa
+    plain = PerRowSampler([5, 6, 7], 1.0, 1.0, "cpu")(ids, scores).argmax(-1).tolist()
+    assert sampled(allow) == plain
+    assert all(p not in banned for p in sampled(refuse))
+    stubborn = PerRowSampler([0], 0.0, 1.0, "cpu", veto=lambda ids, picks: [False] * len(picks), max_tries=3)
+    assert stubborn(torch.zeros(1, 1, dtype=torch.long), scores[:1]).argmax(-1).item() == int(order[0, 2])  # 3rd stands
+
+
+def test_canonical_veto_judges_the_text_a_token_would_leave(k25_generator):
+    """canonical_veto allows a token whose segment re-tokenizes to itself, or ends in one partial character; it
+    refuses a split the tokenizer would not make and a text holding a replacement character before its end."""
+    import torch
+
+    from data.round_trip import canonical_veto
+
+    tok = k25_generator.tok
+    word = tok("hello there", add_special_tokens=False)["input_ids"]
+    split = [tok.convert_tokens_to_ids(c) for c in "hel"]  # 'h','e','l': the tokenizer spells 'hel' otherwise
+    assert tok("hel", add_special_tokens=False)["input_ids"] != split, "the tiny tokenizer has no merge in 'hel'"
+    stop = k25_generator.stop_ids[0]
+    veto = canonical_veto(tok, 1, k25_generator.stop_ids)
+    assert veto(torch.tensor([[0] + word[:-1]] * 2), [word[-1], stop]) == [True, True]
+    assert veto(torch.tensor([[0] + split[:-1]]), [split[-1]]) == [False]
+    lead = tok.convert_tokens_to_ids("ä")  # byte 0xE4: the lead byte of a 3-byte character
+    dangling = torch.tensor([[0] + word])
+    assert veto(dangling, [lead]) == [True]  # one partial character at the end: the next token may complete it
+    assert veto(torch.tensor([[0] + word + [lead]]), [word[0]]) == [False]  # ... and it did not: refused
+
+
+def test_canonical_tokens_keep_the_answer_text_whole(k25_generator, monkeypatch):
+    """regenerate.canonical_tokens: with a row free to try every candidate, each answer's text re-tokenizes to
+    itself or ends in one partial character; without it, the same sampled prompts leave texts that do not (the
+    tiny target's near-flat logits pick odd splits); and a canonical answer equals the plain one up to the first
+    token the veto refused."""
+    from data import row_sampling
+    from data.round_trip import REPLACEMENT, canonical_veto, last_segment
+
+    monkeypatch.setattr(row_sampling, "VETO_TRIES", 10_000)  # every candidate (real text rarely needs 2)
+    tok = k25_generator.tok
+    prompts = [[{"role": "user", "content": c}] for c in ("hello there, how are you?", "x", "tell me a story",
+                                                          "what is 2 + 2?", "write some code")]
+    longest = max(len(tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]) for p in prompts)  # as HFGenerator pads them
+    answers = {}
+    for canonical in (False, True):
+        rec = _RecordingModel(k25_generator.model)
+        gen = HFGenerator(rec, tok, max_new_tokens=24, canonical_tokens=canonical)
+        gen.generate(prompts, temperature=1.0, seed=3)
+        answers[canonical] = [r[longest:][:next((j for j, t in enumerate(r[longest:]) if t in gen.stop_ids), 24)]
+                              for r in rec.rows]
+
+    def whole(ids) -> bool:
+        seg = last_segment(ids, gen.end_think)
+        text = tok.decode(seg, skip_special_tokens=True)
+        back = tok(text, add_special_tokens=False)["input_ids"]
+        return back == seg or (text.endswith(REPLACEMENT) and REPLACEMENT not in text[:-1])
+
+    assert all(whole(a) for a in answers[True])
+    assert not all(whole(a) for a in answers[False]), "no odd split without the veto: use other prompts"
+    veto = canonical_veto(tok, 0, gen.stop_ids, gen.end_think)
+    for plain, canonical in zip(answers[False], answers[True]):
+        first_refused = next((j for j in range(len(plain)) if not veto(torch.tensor([plain[:j]]), [plain[j]])[0]),
+                             len(plain))
+        assert canonical[:first_refused] == plain[:first_refused]
+        if first_refused < min(len(plain), len(canonical)):
+            assert canonical[first_refused] != plain[first_refused]
+
+
 def test_sampled_regeneration_does_not_depend_on_the_batch(k25_generator):
     prompts = [[{"role": "user", "content": "hello there, how are you?"}], [{"role": "user", "content": "x"}],
                [{"role": "system", "content": "s"}, {"role": "user", "content": "a longer question here"}]]
@@ -354,7 +440,7 @@ def test_no_repeat_ngram_guard_breaks_the_loop_and_only_where_it_fires(k25_gener
 
 def test_no_repeat_ngram_guard_needs_the_hf_backend(tmp_path, tiny_k25_target):
     corpus = write_corpus(tmp_path / "c.jsonl")
-    with pytest.raises(ConfigError, match="no_repeat_ngram_size=4 and sampled_opening_tokens=0 need backend=hf"):
+    with pytest.raises(ConfigError, match="no_repeat_ngram_size=4, sampled_opening_tokens=0 and canonical_tokens=False need backend=hf"):
         regen_config(tmp_path, tiny_k25_target, corpus, "openai", "regenerate.no_repeat_ngram_size=4")
     with pytest.raises(ConfigError, match="no_repeat_ngram_size=1"):
         regen_config(tmp_path, tiny_k25_target, corpus, "hf", "regenerate.no_repeat_ngram_size=1")

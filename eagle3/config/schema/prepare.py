@@ -53,6 +53,11 @@ class RegenerateConf:
     # sampled). A small target's greedy answers barely depend on the prompt; a sampled opening sets them apart
     # while the rest of each answer stays the target's argmax path
     sampled_opening_tokens: int = 0
+    # hf backend: never pick a token whose answer text would not re-tokenize to the generated tokens; the next
+    # candidate (greedy: the next most likely; sampled: the next under the same noise) is taken instead. A small
+    # target often picks such tokens, and `cut_at_round_trip` would end the answer there; with this on, the answer
+    # goes on, and the stored token differs from the argmax only where the veto fired (data/round_trip.py)
+    canonical_tokens: bool = False
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
     def validate(self) -> None:
@@ -67,11 +72,11 @@ class RegenerateConf:
         if self.sampled_opening_tokens < 0 or (self.sampled_opening_tokens and self.temperature <= 0):
             raise ConfigError(f"regenerate.sampled_opening_tokens={self.sampled_opening_tokens}: >= 0, and it needs "
                               "temperature > 0 (the opening's temperature)")
-        if (self.no_repeat_ngram_size or self.sampled_opening_tokens) and self.backend != "hf":
-            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size} and sampled_opening_tokens="
-                              f"{self.sampled_opening_tokens} need backend=hf: the OpenAI chat API (SGLang, vLLM) has "
-                              "neither an n-gram guard nor a sampled opening, so the server's text would not be what "
-                              "the settings say")
+        if (self.no_repeat_ngram_size or self.sampled_opening_tokens or self.canonical_tokens) and self.backend != "hf":
+            raise ConfigError(f"regenerate.no_repeat_ngram_size={self.no_repeat_ngram_size}, sampled_opening_tokens="
+                              f"{self.sampled_opening_tokens} and canonical_tokens={self.canonical_tokens} need "
+                              "backend=hf: the OpenAI chat API (SGLang, vLLM) has no n-gram guard, sampled opening or "
+                              "token veto, so the server's text would not be what the settings say")
 
 
 @dataclass
