@@ -45,14 +45,15 @@ class PerRowSampler:
                  max_tries: Optional[int] = None):
         """`opening` = (prompt length, k): sample only the first k tokens after the prompt, greedy after them.
         `veto(input_ids, picks)` -> per row, whether its pick is allowed; a refused pick gives way to the row's
-        next candidate, up to `max_tries` (default VETO_TRIES) candidates (then the last one stands). temperature 0 needs a veto:
-        greedy picks with a veto, no sampling."""
+        next candidate, up to `max_tries` (default VETO_TRIES) candidates (then the last one stands).
+        temperature 0 needs a veto: greedy picks with a veto, no sampling."""
         if temperature <= 0 and veto is None:
             raise ValueError("PerRowSampler: temperature must be > 0 (greedy needs no sampler unless it has a veto)")
         max_tries = VETO_TRIES if max_tries is None else max_tries
         if max_tries < 1:
             raise ValueError(f"PerRowSampler: max_tries={max_tries} must be >= 1")
-        self.temperature, self.top_p, self.opening, self.veto, self.max_tries = temperature, top_p, opening, veto, max_tries
+        self.temperature, self.top_p, self.opening = temperature, top_p, opening
+        self.veto, self.max_tries = veto, max_tries
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         self.vetoed = 0  # picks refused so far (a count for the stats)
 
