@@ -129,10 +129,11 @@ def test_a_capped_spool_pauses_the_producer_survives_its_kill_9_and_trains_the_s
                                                                                        streamed):
     store = HiddenStateStore(offline / "train")
     longest_chunk = chunk_bytes(streamed)
-    # 4 of the largest chunk: the producer pauses after ~5 of 9; it resumes below 0.6 x 4 = 2.4 chunks, which
-    # always holds the window (two chunks) the consumer waits for
-    cap = 4 * longest_chunk
-    argv, out = producer_argv(tmp_path, targets, prepared, max_gb=cap / 1e9, high=0.9, low=0.6)
+    # 5 of the largest chunk: the producer pauses after ~6 of 9; it resumes below 0.7 x 5 = 3.5 chunks, which
+    # always holds what docs/online_training.md asks of the low watermark: the window being finished (two
+    # chunks) and the first chunk of the next one, which the loader reads ahead before the window's checkpoint
+    cap = 5 * longest_chunk
+    argv, out = producer_argv(tmp_path, targets, prepared, max_gb=cap / 1e9, high=0.9, low=0.7)
     spool = Spool(out / "spool")
     first = start_producer(argv, tmp_path / "producer.log")
     try:

@@ -113,11 +113,16 @@ class SpoolStore:
         """Poll until ready(); a status line every status_s; an error naming the producer after timeout_s
         without a heartbeat or a new chunk."""
         t0 = last_line = time.monotonic()
-        paused_since = None
+        paused_since, first_beat = None, None
         while not ready():
             now = time.monotonic()
             status = self.spool.status()
-            paused_since = (paused_since or now) if status and status.get("state") == "paused" else None
+            beat = status.get("heartbeat", 0) if status else 0
+            first_beat = beat if first_beat is None else first_beat
+            # a pause counts only while its producer is alive (its heartbeat moved during this wait): the status a
+            # killed producer left behind says "paused" until its restart, which may take longer than the deadline
+            live_pause = bool(status) and status.get("state") == "paused" and beat > first_beat
+            paused_since = (paused_since or now) if live_pause else None
             if paused_since is not None and now - paused_since > PAUSED_DEADLOCK_S:
                 raise TrainInputError(
                     f"{self.dir}: the spool is full (the producer is paused: {status.get('used_bytes', 0) / 1e6:.1f} MB "
@@ -125,7 +130,6 @@ class SpoolStore:
                     f"more chunks than that: nothing can be freed until the window is complete. Raise the "
                     f"producer's stream.max_gb (or stream.low), or lower data.window_sequences "
                     f"({self.window_hint()})")
-            beat = status.get("heartbeat", 0) if status else 0
             quiet = min(now - t0, time.time() - beat) if status else now - t0
             who = (f"producer pid {status['pid']} ({status.get('state')}, last heard {time.time() - beat:.0f}s ago)"
                    if status else "no producer")
