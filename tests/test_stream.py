@@ -200,6 +200,21 @@ def test_a_silent_producer_is_named_after_the_timeout(tmp_path, world, targets, 
         SpoolStore(spool.root, "size", timeout_s=0.5, status_s=0.1).window_lengths(0, 4)
 
 
+def test_a_killed_producers_paused_status_is_not_taken_for_a_full_spool(tmp_path, world, targets, prepared,  # noqa: F811
+                                                                         monkeypatch):
+    # kill -9 while paused leaves "paused" on disk; until the restart writes its own status, that is a silent
+    # producer (named after the timeout), not a live pause the trainer can never outwait
+    import train.spool_source as spool_source
+    monkeypatch.setattr(spool_source, "PAUSED_DEADLOCK_S", 0.1)
+    spool = Spool(tmp_path / "spool")
+    spool.root.mkdir(parents=True)
+    (spool.root / "plan.json").write_text(json.dumps({"header": {"hidden_size": 1}, "dtype": "float32",
+                                                      "aux_dtype": None, "sequences": [], "recapture": 1}))
+    spool.write_status(state="paused", chunk=0, used_bytes=10, cap_bytes=10)
+    with pytest.raises(TrainInputError, match=r"\(paused.*died or hangs.*Restart it"):
+        spool_source.SpoolStore(spool.root, "size", timeout_s=1.0, status_s=0.1).window_lengths(0, 4)
+
+
 def test_a_spool_too_small_for_one_window_is_an_error_not_a_hang(tmp_path, world, targets, prepared, streamed):  # noqa: F811
     # 3 of the largest chunk: the producer pauses after ~3 chunks, but a window of 12 sequences needs 4
     argv, out = producer_argv(tmp_path, targets, prepared, max_gb=3 * chunk_bytes(streamed) / 1e9, high=0.9, low=0.5)
