@@ -187,29 +187,31 @@ def test_a_trainer_killed_mid_stream_resumes_from_its_checkpoint_to_the_same_bit
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_silent_producer_is_named_after_the_timeout(tmp_path, world, targets, prepared):  # noqa: F811
-    cfg = stream_capture_config(tmp_path, targets, prepared, max_gb=1.0)
-    run_capture(__import__("dataclasses").replace(cfg, splits=["validation"]), Dist())  # the held-out split
-    spool = Spool(Path(cfg.out_dir) / "spool")
+def spool_with_an_empty_plan(root: Path) -> Spool:
+    """A spool whose producer has written its plan and nothing else (a trainer then waits on its status)."""
+    spool = Spool(root)
     spool.root.mkdir(parents=True)
     (spool.root / "plan.json").write_text(json.dumps({"header": {"hidden_size": 1}, "dtype": "float32",
                                                       "aux_dtype": None, "sequences": [], "recapture": 1}))
+    return spool
+
+
+def test_a_silent_producer_is_named_after_the_timeout(tmp_path, world, targets, prepared):  # noqa: F811
+    cfg = stream_capture_config(tmp_path, targets, prepared, max_gb=1.0)
+    run_capture(__import__("dataclasses").replace(cfg, splits=["validation"]), Dist())  # the held-out split
+    spool = spool_with_an_empty_plan(Path(cfg.out_dir) / "spool")
     spool.write_status(state="capturing", chunk=0)
     with pytest.raises(TrainInputError, match=rf"producer pid {os.getpid()} \(capturing.*died or hangs.*Restart it"):
         from train.spool_source import SpoolStore
         SpoolStore(spool.root, "size", timeout_s=0.5, status_s=0.1).window_lengths(0, 4)
 
 
-def test_a_killed_producers_paused_status_is_not_taken_for_a_full_spool(tmp_path, world, targets, prepared,  # noqa: F811
-                                                                         monkeypatch):
+def test_a_killed_producers_paused_status_is_not_taken_for_a_full_spool(tmp_path, monkeypatch):
     # kill -9 while paused leaves "paused" on disk; until the restart writes its own status, that is a silent
     # producer (named after the timeout), not a live pause the trainer can never outwait
     import train.spool_source as spool_source
     monkeypatch.setattr(spool_source, "PAUSED_DEADLOCK_S", 0.1)
-    spool = Spool(tmp_path / "spool")
-    spool.root.mkdir(parents=True)
-    (spool.root / "plan.json").write_text(json.dumps({"header": {"hidden_size": 1}, "dtype": "float32",
-                                                      "aux_dtype": None, "sequences": [], "recapture": 1}))
+    spool = spool_with_an_empty_plan(tmp_path / "spool")
     spool.write_status(state="paused", chunk=0, used_bytes=10, cap_bytes=10)
     with pytest.raises(TrainInputError, match=r"\(paused.*died or hangs.*Restart it"):
         spool_source.SpoolStore(spool.root, "size", timeout_s=1.0, status_s=0.1).window_lengths(0, 4)

@@ -113,15 +113,18 @@ class SpoolStore:
         """Poll until ready(); a status line every status_s; an error naming the producer after timeout_s
         without a heartbeat or a new chunk."""
         t0 = last_line = time.monotonic()
-        paused_since, first_beat = None, None
+        paused_since, last_beat, beat_moved_at = None, None, None
         while not ready():
             now = time.monotonic()
             status = self.spool.status()
             beat = status.get("heartbeat", 0) if status else 0
-            first_beat = beat if first_beat is None else first_beat
-            # a pause counts only while its producer is alive (its heartbeat moved during this wait): the status a
-            # killed producer left behind says "paused" until its restart, which may take longer than the deadline
-            live_pause = bool(status) and status.get("state") == "paused" and beat > first_beat
+            if last_beat is not None and beat != last_beat:
+                beat_moved_at = now
+            last_beat = beat
+            # a pause counts only while its producer's heartbeat keeps moving: the status a killed producer left
+            # behind says "paused" until its restart, which may take longer than the deadline
+            live_pause = (bool(status) and status.get("state") == "paused" and beat_moved_at is not None
+                          and now - beat_moved_at <= PAUSED_DEADLOCK_S)
             paused_since = (paused_since or now) if live_pause else None
             if paused_since is not None and now - paused_since > PAUSED_DEADLOCK_S:
                 raise TrainInputError(
