@@ -50,7 +50,7 @@ def print_summary(report: dict, console=None) -> None:
     for col in ("steps/topk/draft", "drafting", "accept length", "cycles", "P(accept) by position", "mismatch"):
         t.add_column(col, justify="right" if col in ("accept length", "cycles", "mismatch") else "left")
     for label, entry in (report.get("accept") or {}).items():
-        for name in ("drafter", "ngram"):
+        for name in ("drafter", "ngram", "ceiling"):  # ceiling: a drafter always right on the same segments
             s = entry.get(name)
             if s:
                 t.add_row(label, name, _f(s["accept_length"]), str(s["cycles"]),

@@ -46,6 +46,8 @@ from train.stage import run_train
 RUNNERS: dict[str, Callable] = {"mini_world": run_mini_world, "prepare": run_prepare, "capture": run_capture,
                                 "vocab": run_vocab, "train": run_train, "eval": run_eval, "export": run_export}
 
+CEILING_ROW = "ceiling (a drafter always right)"
+
 
 def _runner(stage: str) -> tuple[type, Callable]:
     """(schema, run function) of a stage."""
@@ -108,8 +110,11 @@ def pick_best(reports: dict[str, dict], knob_label: str) -> str:
 def comparison_rows(reports: dict[str, dict], knob_labels: list[str]) -> list[dict]:
     """One row per drafter (accuracy, simulated / real accept length, predicted speed-up per
     knob setting, simulated accept length on text vs image traffic at the first knob setting), then one
-    row for n-gram prompt lookup replayed on the same sequences."""
-    rows, ngram = [], {"drafter": "ngram (prompt lookup)", "acc_step0": float("nan"), "acc_mean": float("nan")}
+    row for n-gram prompt lookup replayed on the same sequences, then the ceiling: a drafter that is always
+    right, replayed on them (what the traffic's greedy stretches allow any drafter)."""
+    nan = float("nan")
+    rows, ngram = [], {"drafter": "ngram (prompt lookup)", "acc_step0": nan, "acc_mean": nan}
+    ceiling = {"drafter": CEILING_ROW, "acc_step0": nan, "acc_mean": nan}
     for name, rep in reports.items():
         acc = (rep.get("accuracy") or {}).get("step_accuracy") or []
         row = {"drafter": name, "acc_step0": acc[0] if acc else float("nan"),
@@ -124,10 +129,14 @@ def comparison_rows(reports: dict[str, dict], knob_labels: list[str]) -> list[di
             ngram[f"sim {label}"] = entry["ngram"]["accept_length"]
             ngram[f"real {label}"] = float("nan")
             ngram[f"speedup {label}"] = (by_knob.get("ngram") or {}).get("speedup", float("nan"))
+            ceiling.update({f"sim {label}": (entry.get("ceiling") or {}).get("accept_length", nan),
+                            f"real {label}": nan, f"speedup {label}": nan})
         row.update(image_traffic.traffic_columns(rep, knob_labels[0]))
         rows.append(row)
-    ngram.update(image_traffic.traffic_columns(next(iter(reports.values())), knob_labels[0], "ngram"))
-    return rows + [ngram]
+    first = next(iter(reports.values()))
+    ngram.update(image_traffic.traffic_columns(first, knob_labels[0], "ngram"))
+    ceiling.update(image_traffic.traffic_columns(first, knob_labels[0], "ceiling"))
+    return rows + [ngram, ceiling]
 
 
 def all_lossless(reports: dict[str, dict]) -> bool:
@@ -305,8 +314,9 @@ def render_report(rows, best, export_dir, log: StageLog, total: float, vocab_rep
             f"on the target's greedy validation sequences, real = measured in a real speculative loop; "
             f"speedup = the cost model's prediction with the account's latencies (82 tok/s baseline, ~30 ms "
             f"per verify); text / image = the simulated tau on text-only vs image conversations (image rows fed as "
-            f"the export engine feeds them, SGLang: fused). Real speculative loops lossless (output == the target's "
-            f"greedy decode): {lossless}.\n\nBest: **{best}**, exported to `{export_dir}`.\n\n"
+            f"the export engine feeds them, SGLang: fused); ceiling = a drafter that is always right, replayed on "
+            f"the same stretches (sampled or guarded tokens end them, so no drafter scores above it). Real "
+            f"speculative loops lossless (output == the target's greedy decode): {lossless}.\n\nBest: **{best}**, exported to `{export_dir}`.\n\n"
             f"{k2_own_section(k2_own)}"
             f"{mismatch_section(mismatch)}"
             f"{online_section(online)}"

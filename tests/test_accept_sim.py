@@ -232,3 +232,22 @@ def test_per_position_divides_by_every_draft_as_the_engines_do():
     s.add_cycle(3, 2)   # the sequence ends after 2 tokens: depths 1-2 emitted, depth 3 never
     assert s.acceptance_by_position() == [1.0, 1.0, 0.5]
     assert s.conditional_acceptance() == [1.0, 1.0, 0.5]
+
+
+@pytest.mark.parametrize("knobs", [SpecKnobs(2, 1, 3), SpecKnobs(3, 1, 4)])
+def test_the_ceiling_is_the_always_right_drafter_and_no_drafter_beats_it(knobs):
+    from eagle3.replay.accept_sim import replay_perfect
+
+    ids, mask, argmax = greedy_world(T=60, prompt=4, seed=5)
+    argmax = argmax.clone()
+    for t in (9, 11, 30, 31, 47):  # stored tokens off the target's argmax break the segments
+        argmax[t] = (ids[t + 1] + 1) % 50
+    ceiling = replay_perfect(ids, mask, argmax, knobs.max_depth)
+    oracle = replay_oracle(ids, mask, argmax, knobs, right=99)
+    assert ceiling.to_dict() == oracle.to_dict()
+    assert 1.0 < ceiling.accept_length < knobs.max_depth + 1  # short segments cap it below a full cycle
+    for right in (0, 1, 2):
+        assert replay_oracle(ids, mask, argmax, knobs, right).accept_length <= ceiling.accept_length
+    # one segment per break, so the breaks are what the ceiling measures: fewer breaks, a higher ceiling
+    whole = replay_perfect(ids, mask, greedy_world(T=60, prompt=4, seed=5)[2], knobs.max_depth)
+    assert whole.accept_length > ceiling.accept_length

@@ -31,6 +31,12 @@ def test_reduced_demo_runs_every_stage_end_to_end(tmp_path):
     assert (sim != sim or sim >= 1.0) and 0 <= own[0]["off argmax"] <= 1  # NaN: the ci K2 side holds out no segment
     assert (tmp_path / "stages" / "k2_mini" / "eval-k2_own" / "report.json").is_file()
     assert "## The K2 drafter on its own target" in (Path(out) / "report.md").read_text()
+    ceiling = report["rows"][4]  # after the n-gram: a drafter always right, on the same segments
+    assert ceiling["drafter"].startswith("ceiling")
+    for row in report["rows"][:3]:  # the drafters (n-gram drafts num_draft_tokens - 1 deep, past a tree's depth)
+        for key, value in row.items():
+            if key.startswith(("sim ", "text ", "image ")) and value == value:
+                assert value <= ceiling[key] + 1e-9, (row["drafter"], key, value, ceiling[key])
     for row in report["rows"]:
         for key, value in row.items():
             if key.startswith(("sim ", "real ")) and value == value:  # not NaN

@@ -58,6 +58,10 @@ def test_run_eval_writes_report_plots_manifest_and_reuses(world, tiny_k25_target
         # the store holds the target's own greedy output: no mismatch, except that on another CPU a tie
         # within float noise may go the other way at one position (the cached decode vs the full forward)
         assert entry["drafter"]["mismatches"] <= 1 and entry["drafter"]["assistant_positions"] >= 16
+        # the store's ceiling (a drafter always right, same segments): above the drafter, within a full cycle
+        ceiling = entry["ceiling"]
+        assert ceiling["segments"] == entry["drafter"]["segments"] and ceiling["tokens"] == entry["drafter"]["tokens"]
+        assert entry["drafter"]["accept_length"] <= ceiling["accept_length"] <= entry["knobs"]["num_steps"] + 1
     assert len(report["accuracy"]["step_accuracy"]) == 3
     real = report["real_loop"]["knobs"]["2/1/3"]
     assert real["lossless"] and abs(real["real_accept_length"] - real["sim_accept_length"]) <= 0.05

@@ -264,6 +264,14 @@ def replay_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_arg
     return _replay(input_ids, loss_mask, target_argmax, accept_at, max_depth, max_cycles)
 
 
+def replay_perfect(input_ids: torch.Tensor, loss_mask: torch.Tensor, target_argmax: torch.Tensor,
+                   max_depth: int, max_cycles: Optional[int] = None) -> AcceptStats:
+    """The ceiling of a store: the replay of a drafter whose every draft is the target's token, so each
+    cycle emits max_depth + 1 tokens or what is left of its segment. Traffic whose greedy segments are
+    short (sampled or guarded tokens break them) caps every drafter's accept length there."""
+    return _replay(input_ids, loss_mask, target_argmax, lambda q, rem: min(max_depth, rem), max_depth, max_cycles)
+
+
 def leading_hits(hits: torch.Tensor) -> torch.Tensor:
     """hits Bool [K, T] (hits[j, t]: depth j+1 of the chain rooted at t is the target's token) ->
     Long [T]: how many leading depths are right, i.e. the drafts a chain from t gets accepted."""

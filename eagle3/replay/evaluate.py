@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from eagle3.engines import aux_layers
-from eagle3.replay.accept_sim import (AcceptStats, build_sglang_tree, leading_hits, replay_chain_runs,
+from eagle3.replay.accept_sim import (AcceptStats, build_sglang_tree, leading_hits, replay_chain_runs, replay_perfect,
                                       replay_sequence)
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.cost_model import accept_length_from_acceptance
@@ -174,6 +174,7 @@ def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Op
     seq = None
     for k in knobs:
         res = out[k.label]
+        res["ceiling"] += replay_perfect(ids, mask, argmax, k.max_depth)
         if model is not None:
             if k.topk == 1 and method == "auto":
                 h = hits if hits is not None and hits.shape[0] >= k.max_depth else \
@@ -195,8 +196,9 @@ def _replay_one(model, s: dict, knobs: Sequence[SpecKnobs], out: dict, ngram: Op
 
 
 def _stats(k: SpecKnobs, ngram: Optional[NgramSettings]) -> dict[str, AcceptStats]:
-    """Empty replay counters of one knob setting: the drafter's, and n-gram's unless ngram is None."""
-    out = {"drafter": AcceptStats(k.max_depth)}
+    """Empty replay counters of one knob setting: the drafter's, a perfect drafter's (the store's ceiling),
+    and n-gram's unless ngram is None."""
+    out = {"drafter": AcceptStats(k.max_depth), "ceiling": AcceptStats(k.max_depth)}
     if ngram is not None:
         out["ngram"] = AcceptStats(k.num_draft_tokens - 1)
     return out
