@@ -235,12 +235,10 @@ def echo_generate(messages, max_tokens, temperature, top_p, seed):
 def hf_generate_fn(target_path: str, tokenizer_path: str, layout: str, dtype: str = "float32",
                    device_map: Optional[str] = None, trust_remote_code: bool = False) -> GenerateFn:
     """A GenerateFn over a local target, through the same HFGenerator the hf backend uses."""
-    from transformers import AutoTokenizer
-
     from data.regenerate import HFGenerator
-    from eagle3.target_model.target_io import load_target
+    from eagle3.target_model.target_io import load_target, tokenizer_from
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    tok = tokenizer_from(tokenizer_path, trust_remote_code, "tokenizer_path")
     model, text_config = load_target(target_path, layout, dtype=dtype, device_map=device_map,
                                      trust_remote_code=trust_remote_code)
     gen = HFGenerator(model, tok, max_positions=text_config.get("max_position_embeddings"))

@@ -202,11 +202,11 @@ def _write_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch
 
 
 def _load_tokenizer(target):
-    try:
-        from transformers import AutoTokenizer
+    from eagle3.target_model.target_io import TargetError, load_tokenizer
 
-        return AutoTokenizer.from_pretrained(target.tokenizer, trust_remote_code=target.trust_remote_code)
-    except Exception as e:  # decoding tokens is for the report only; never fail the stage on it
+    try:
+        return load_tokenizer(target)
+    except TargetError as e:  # decoding tokens is for the report only; never fail the stage on it
         print(f"[vocab] could not load the tokenizer ({e}); report lists token ids only")
         return None
 

@@ -121,11 +121,11 @@ def _load_replay(cfg: BenchServeConfig):
 
 
 def _think_ids(cfg) -> list[int]:
-    try:
-        from transformers import AutoTokenizer
+    from eagle3.target_model.target_io import TargetError, load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer, trust_remote_code=cfg.target.trust_remote_code)
-    except Exception:  # no tokenizer here: the check says unchecked
+    try:
+        tok = load_tokenizer(cfg.target)
+    except TargetError:  # no tokenizer here: the check says unchecked
         return []
     ids = [tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
     return [i for i in ids if isinstance(i, int) and i != tok.unk_token_id]

@@ -99,3 +99,24 @@ def test_load_target_errors(tmp_path, tiny_targets):
     (tmp_path / "config.json").write_text((tiny_targets["causal_lm"] / "config.json").read_text())
     with pytest.raises(TargetError, match="no model.safetensors"):
         load_target(tmp_path, "causal_lm", dtype="float32")
+
+
+def test_a_missing_tokenizer_fails_at_once_without_asking_the_hub(tmp_path, monkeypatch, tiny_tokenizer):
+    """Nothing downloads at run time: a path that is not there is an error naming it, not a Hub lookup (the Hub
+    client retries for ~45 s before it gives up, which made a mistyped path look like a hang)."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    def no_network(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    backoff = []  # the Hub client sleeps between the retries of a file lookup
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(time, "sleep", backoff.append)
+    missing = SimpleNamespace(tokenizer="no-such-org/no-such-tokenizer", trust_remote_code=False)
+    with pytest.raises(TargetError, match=r"target\.tokenizer=no-such-org/no-such-tokenizer .*nothing is downloaded"):
+        target_io.load_tokenizer(missing)
+    assert backoff == []
+    there = SimpleNamespace(tokenizer=str(tiny_tokenizer), trust_remote_code=False)
+    assert target_io.load_tokenizer(there).convert_tokens_to_ids("<|im_end|>") == 505  # a directory still loads

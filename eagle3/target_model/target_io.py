@@ -54,14 +54,22 @@ class TargetError(StageError, RuntimeError):
     """A target directory / checkpoint / model that cannot be used, with the reason."""
 
 
-def load_tokenizer(target):
-    """The target's tokenizer (`target`: a TargetConf), or TargetError naming target.tokenizer and the cause."""
+def tokenizer_from(path, trust_remote_code: bool = False, name: str = "tokenizer"):
+    """The tokenizer at `path`: a directory, or a Hub id already in the local HF cache. Nothing is downloaded at
+    run time, so a wrong path fails at once (the Hub client would retry for ~45 s first). TargetError names
+    `name=path` and the cause."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(target.tokenizer, trust_remote_code=target.trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:
-        raise TargetError(f"cannot load the target tokenizer from target.tokenizer={target.tokenizer}: {e}") from e
+        raise TargetError(f"cannot load the tokenizer from {name}={path} (a directory, or a Hub id already in the "
+                          f"local cache: nothing is downloaded at run time): {e}") from e
+
+
+def load_tokenizer(target):
+    """The target's tokenizer (`target`: a TargetConf), or TargetError naming target.tokenizer and the cause."""
+    return tokenizer_from(target.tokenizer, target.trust_remote_code, "target.tokenizer")
 
 
 def _check_layout(layout: str) -> None:
