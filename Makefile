@@ -2,12 +2,14 @@
 PY := .venv/bin/python
 ARGS ?=
 INIT ?= aqmedai_k2
+# the suite runs in this many pytest-xdist workers (CI has 2 cores; each test runs torch on one thread)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test faults mini-world prepare capture-hidden vocab train train-online eval export demo study learning-ab bench-vocab clean check bench-serve
 
 setup: .venv/.installed
 .venv/.installed: pyproject.toml ; python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]' && touch $@
-test: setup ; $(PY) -m pytest tests $(ARGS)
+test: setup ; $(PY) -m pytest tests -n $(TEST_WORKERS) $(ARGS)
 faults: setup ; $(PY) -m pytest tests/faults $(ARGS)
 mini-world: setup ; $(PY) data/run_mini_world.py $(ARGS)
 prepare: setup ; $(PY) data/run_prepare.py $(ARGS)

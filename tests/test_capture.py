@@ -330,13 +330,14 @@ def test_torchrun_two_processes_read_like_one(tmp_path, targets, prepared):
     import sys
 
     from eagle3 import REPO_ROOT
+    from tests.fixtures.ports import free_port
 
     common = [f"paths.root={tmp_path}", f"target.path={targets['k25']}", f"target.tokenizer={targets['k25']}",
               f"in_dir={prepared}", "max_tokens_per_batch=96", "shard_tokens=200", "progress=false",
               "splits=[validation]"]
     run_capture(to_schema(compose("capture", [*common, f"out_dir={tmp_path / 'one'}"]), CaptureConfig), Dist())
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-                str(REPO_ROOT / "data" / "run_capture.py"), *common, f"out_dir={tmp_path / 'two'}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()), str(REPO_ROOT / "data" / "run_capture.py"), *common, f"out_dir={tmp_path / 'two'}"]
     res = subprocess.run(torchrun, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
