@@ -13,7 +13,8 @@ from typing import Any, Optional
 from eagle3.engines import aux_layers
 from eagle3.formats.checkpoints import INDEX_FILE, index_problems
 from eagle3.errors import StageError
-from eagle3.formats.manifest import ManifestError, fingerprint, read_json, sha256_file
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import MANIFEST, ManifestError, read_json
 from eagle3.drafter.model import DrafterConfig
 
 
@@ -130,14 +131,15 @@ def gather_sources(config) -> Sources:
 
 
 def inputs_fingerprint(ckpt: Path, capture_dir: Path, eval_dir: Path) -> dict[str, Any]:
-    """sha256 of the checkpoint's two files, the capture's and the eval's manifests, the eval report."""
-    fp: dict[str, Any] = {"checkpoint": {n: sha256_file(ckpt / n) for n in ("config.json", "model.safetensors")
-                                         if (ckpt / n).is_file()}}
+    """sha256 of the checkpoint's two files, the capture's and the eval's manifests, the eval report (the rules
+    of eagle3/fingerprints.py; None where a stage has not run)."""
+    out: dict[str, Any] = {"checkpoint": {n: fp.input_file(ckpt / n) for n in ("config.json", "model.safetensors")
+                                          if (ckpt / n).is_file()}}
     for role, d in (("capture", capture_dir), ("eval", eval_dir)):
-        fp[role] = sha256_file(d / "manifest.json") if (d / "manifest.json").is_file() else None
+        out[role] = fp.stage_dir(d) if (d / MANIFEST).is_file() else None
     report = eval_dir / "report.json"
-    fp["eval_report"] = sha256_file(report) if report.is_file() else None
-    return fp
+    out["eval_report"] = fp.input_file(report) if report.is_file() else None
+    return out
 
 
 def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
@@ -159,7 +161,7 @@ def _train_manifest_problems(ckpt: Path, capture_dir: Path) -> list[str]:
         if Path(entry.get("path", "")).resolve() != capture_dir.resolve():
             out.append(f"the checkpoint was trained on capture {entry.get('path')} ({manifest_path}), "
                        f"not on capture_dir={capture_dir}")
-        elif (capture_dir / "manifest.json").is_file() and entry.get("fingerprint") != fingerprint(capture_dir):
+        elif (capture_dir / "manifest.json").is_file() and entry.get("fingerprint") != fp.stage_dir(capture_dir):
             out.append(f"capture {capture_dir} changed since the checkpoint was trained on it (fingerprint differs "
                        f"from {manifest_path})")
     return out

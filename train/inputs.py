@@ -8,7 +8,6 @@ t2d, empty splits.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from eagle3.formats.manifest import ManifestError, fingerprint, read_manifest
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import ManifestError, read_manifest
 from eagle3.formats.store import HiddenStateStore, StoreError
 from train.input_errors import TrainInputError  # noqa: F401 (its home; re-exported: train.inputs.TrainInputError)
 from train.setup import StreamConf
@@ -73,7 +73,7 @@ def open_inputs(config, stream: StreamConf) -> TrainInputs:
     try:
         capture_manifest = read_manifest(capture_dir, "capture")
         vocab_manifest = read_manifest(vocab_dir, "vocab")
-        fps = {"capture": fingerprint(capture_dir), "vocab": fingerprint(vocab_dir)}
+        fps = {"capture": fp.stage_dir(capture_dir), "vocab": fp.stage_dir(vocab_dir)}
     except ManifestError as e:
         raise TrainInputError(str(e)) from e
     warnings, stores, splits = [], {}, []  # splits: (role, the store directory to open)
@@ -117,8 +117,7 @@ def _check_target_of_capture(config, capture_manifest: dict, t2d: torch.Tensor, 
     tgt = capture_manifest.get("target") or {}
     cfg_path = Path(config.target.path) / "config.json"
     if tgt.get("config_sha256") and cfg_path.is_file():
-        sha = hashlib.sha256(cfg_path.read_bytes()).hexdigest()
-        if sha != tgt["config_sha256"]:
+        if fp.input_file(cfg_path) != tgt["config_sha256"]:  # the rule capture recorded it with
             raise TrainInputError(f"the hidden states in {config.capture_dir} were captured from {tgt.get('path')}, "
                                   f"whose config.json differs from the configured target {config.target.path}; "
                                   f"use the matching target=... or recapture")
