@@ -31,6 +31,7 @@ class HFGenerator:
         self.max_positions = max_positions
         self.no_repeat_ngram_size, self.sampled_opening_tokens = no_repeat_ngram_size, sampled_opening_tokens
         self.canonical_tokens = canonical_tokens
+        self.vetoed_tokens = 0  # picks the canonical-token veto refused, over every generate call (prepare's stats)
         stop = {tokenizer.eos_token_id}
         vocab = tokenizer.get_vocab()
         end_turn = vocab.get("<|im_end|>")
@@ -91,9 +92,10 @@ class HFGenerator:
 
             base = self.seed if seed is None else seed
             veto = canonical_veto(self.tok, longest, self.stop_ids, self.end_think) if self.canonical_tokens else None
-            kwargs["logits_processor"] = LogitsProcessorList([PerRowSampler(
+            sampler = PerRowSampler(
                 [row_seed(base, t) for t in texts], temp, self.top_p if top_p is None else top_p, self._device,
-                opening=(longest, self.sampled_opening_tokens) if self.sampled_opening_tokens else None, veto=veto)])
+                opening=(longest, self.sampled_opening_tokens) if self.sampled_opening_tokens else None, veto=veto)
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
         if self.cut_at_round_trip:
             from transformers import StoppingCriteriaList
 
@@ -102,7 +104,11 @@ class HFGenerator:
         if seeing:  # the target's multimodal forward: its projector's rows at the image ids (eagle3/target_model/target_images.py)
             kwargs["inputs_embeds"] = self._fused_embeddings(prompts, batch)
         with torch.no_grad():
-            out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device), **kwargs)
+            try:
+                out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device),
+                                          **kwargs)
+            finally:  # a batch that fails and is redone row by row still refused those picks
+                self.vetoed_tokens += sampler.vetoed if "logits_processor" in kwargs else 0
         results = []
         for row in out[:, longest:].tolist():
             stop_at = next((j for j, t in enumerate(row) if t in self.stop_ids), None)

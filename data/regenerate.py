@@ -238,6 +238,8 @@ def regenerate_conversations(convs: list[Conversation], cfg, tokenizer, skips: S
                         bar.update(1)
             for conv, (msgs, fins) in results:
                 finished(conv, msgs, fins)
+        if r.canonical_tokens:
+            stats["canonical_vetoed_tokens"] = gen.vetoed_tokens  # picks refused for another candidate
     elif todo and r.backend == "openai":
         client = ChatClient.from_conf(r)
         client.preflight()

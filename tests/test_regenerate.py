@@ -100,6 +100,18 @@ def k25_generator(tiny_k25_target):
     return HFGenerator(model, tok, max_new_tokens=MAX_NEW, max_positions=text_config["max_position_embeddings"])
 
 
+def test_prepare_reports_the_picks_the_canonical_veto_refused(tmp_path, tiny_k25_target):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    counts = {}
+    for canonical in ("false", "true"):
+        cfg = regen_config(tmp_path, tiny_k25_target, corpus, "hf", "target.layout=kimi_k25",
+                           "regenerate.temperature=1.0", f"regenerate.canonical_tokens={canonical}",
+                           f"out_dir={tmp_path}/canonical-{canonical}")
+        counts[canonical] = read_manifest(run_prepare(cfg), "prepare")["regenerate"].get("canonical_vetoed_tokens")
+    # sampled from the tiny target's near-flat logits, some picks split text oddly and are refused
+    assert counts["false"] is None and isinstance(counts["true"], int) and counts["true"] >= 1
+
+
 def test_hf_generator_batched_equals_one_by_one(k25_generator):
     prompts = [[{"role": "user", "content": "hello there, how are you?"}], [{"role": "user", "content": "x"}],
                [{"role": "system", "content": "s"}, {"role": "user", "content": "a longer question here"}]]
@@ -363,11 +375,12 @@ def test_canonical_tokens_keep_the_answer_text_whole(k25_generator, monkeypatch)
                                                           "what is 2 + 2?", "write some code")]
     longest = max(len(tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
                           add_special_tokens=False)["input_ids"]) for p in prompts)  # as HFGenerator pads them
-    answers = {}
+    answers, vetoed = {}, {}
     for canonical in (False, True):
         rec = _RecordingModel(k25_generator.model)
         gen = HFGenerator(rec, tok, max_new_tokens=24, canonical_tokens=canonical)
         gen.generate(prompts, temperature=1.0, seed=3)
+        vetoed[canonical] = gen.vetoed_tokens  # what prepare's stats report as canonical_vetoed_tokens
         answers[canonical] = [r[longest:][:next((j for j, t in enumerate(r[longest:]) if t in gen.stop_ids), 24)]
                               for r in rec.rows]
 
@@ -380,12 +393,15 @@ def test_canonical_tokens_keep_the_answer_text_whole(k25_generator, monkeypatch)
     assert all(whole(a) for a in answers[True])
     assert not all(whole(a) for a in answers[False]), "no odd split without the veto: use other prompts"
     veto = canonical_veto(tok, 0, gen.stop_ids, gen.end_think)
+    refused_answers = 0
     for plain, canonical in zip(answers[False], answers[True]):
         first_refused = next((j for j in range(len(plain)) if not veto(torch.tensor([plain[:j]]), [plain[j]])[0]),
                              len(plain))
         assert canonical[:first_refused] == plain[:first_refused]
         if first_refused < min(len(plain), len(canonical)):
             assert canonical[first_refused] != plain[first_refused]
+            refused_answers += 1
+    assert vetoed[False] == 0 and vetoed[True] >= refused_answers >= 1  # every refusal counted, none without veto
 
 
 def test_sampled_regeneration_does_not_depend_on_the_batch(k25_generator):

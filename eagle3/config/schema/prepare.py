@@ -56,7 +56,8 @@ class RegenerateConf:
     # hf backend: never pick a token whose answer text would not re-tokenize to the generated tokens; the next
     # candidate (greedy: the next most likely; sampled: the next under the same noise) is taken instead. A small
     # target often picks such tokens, and `cut_at_round_trip` would end the answer there; with this on, the answer
-    # goes on, and the stored token differs from the argmax only where the veto fired (data/round_trip.py)
+    # goes on, and the stored token differs from the argmax only where the veto fired (data/round_trip.py); the
+    # manifest counts the refused picks (regenerate.canonical_vetoed_tokens)
     canonical_tokens: bool = False
     openai: OpenAIBackendConf = field(default_factory=OpenAIBackendConf)
 
