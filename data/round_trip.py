@@ -35,11 +35,17 @@ def round_trip_len(tokenizer, ids: Sequence[int]) -> int:
 
 
 def survives_round_trip(tokenizer, rows: Sequence[Sequence[int]]) -> list[bool | None]:
-    """Per row: True if its text encodes back to exactly its ids, False if not, None when the text
-    ends in a partial character (undecided)."""
+    """Per row: True if its text encodes back to exactly its ids; None when it does not yet but the text
+    ends in its only partial character (undecided: the next token may complete it); False otherwise (a
+    partial character before the end can never be completed). The one rule of the stop and the veto."""
     texts = [tokenizer.decode(list(r), skip_special_tokens=True) for r in rows]
-    encoded = _encode(tokenizer, texts)
-    return [None if t.endswith(REPLACEMENT) else e == list(r) for t, r, e in zip(texts, rows, encoded)]
+    verdicts: list[bool | None] = []
+    for text, row, back in zip(texts, rows, _encode(tokenizer, texts)):
+        if back == list(row):
+            verdicts.append(True)
+        else:
+            verdicts.append(None if text.endswith(REPLACEMENT) and REPLACEMENT not in text[:-1] else False)
+    return verdicts
 
 
 def last_segment(ids: Sequence[int], separator) -> list[int]:
@@ -89,9 +95,8 @@ def canonical_veto(tokenizer, prompt_len: int, stop_ids: Sequence[int], separato
                 continue
             judged.append(i)
             rows.append(last_segment(row + [pick], separator))
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        for i, row, text, back in zip(judged, rows, texts, _encode(tokenizer, texts)):
-            ok[i] = back == row or (text.endswith(REPLACEMENT) and REPLACEMENT not in text[:-1])
+        for i, verdict in zip(judged, survives_round_trip(tokenizer, rows)):
+            ok[i] = verdict is not False
         return ok
 
     return veto

@@ -43,6 +43,8 @@ def test_survives_round_trip_per_row_and_undecided_partial_characters(tok):
     assert survives_round_trip(tok, [[AB], [A, B], []]) == [True, False, True]
     # half of a multi-byte character decodes to U+FFFD: not judged until the next token completes it
     assert survives_round_trip(tok, [[AB, E1], [AB, E1, E2]]) == [None, True]
+    # a half character before the end can never be completed: out, as the canonical veto judges it
+    assert survives_round_trip(tok, [[E1, AB, E1], [E1, AB]]) == [False, False]
 
 
 def test_last_segment_checks_only_the_part_after_the_separator():
