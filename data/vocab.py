@@ -82,21 +82,17 @@ def target_vocab_size(cfg) -> int:
 
 def read_init_mapping(drafter_dir: Path, vocab_size: int) -> tuple[torch.Tensor, dict]:
     """Target ids of an existing drafter's draft vocab, from its `d2t` (and `t2d` if present)."""
-    from safetensors import safe_open
+    from eagle3.drafter.drafter_io import DrafterLoadError, read_named_tensors
 
-    files = weight_files(drafter_dir)
-    if not files:
-        raise VocabStageError(f"init drafter {drafter_dir}: no *.safetensors weights")
-    d2t = t2d = path = None
-    for file in files:  # model.safetensors, or the shard that holds d2t
-        with safe_open(str(file), "pt") as f:
-            keys = set(f.keys())
-            if "d2t" in keys:
-                path, d2t = file, f.get_tensor("d2t")
-                t2d = f.get_tensor("t2d") if "t2d" in keys else None
-                break
-    if d2t is None:
-        raise VocabStageError(f"init drafter {drafter_dir}: no `d2t` tensor in {[f.name for f in files]}")
+    try:  # the shard that holds d2t, by the rules a load follows
+        found = read_named_tensors(drafter_dir, ("d2t", "t2d"))
+    except DrafterLoadError as e:
+        raise VocabStageError(f"init drafter {drafter_dir}: {e}") from e
+    if "d2t" not in found:
+        raise VocabStageError(f"init drafter {drafter_dir}: no `d2t` tensor in its weights "
+                              f"{sorted({p.name for p in weight_files(drafter_dir)})}")
+    d2t, path = found["d2t"]
+    t2d = found["t2d"][0] if "t2d" in found else None
     note = {"path": str(path), "has_t2d": t2d is not None}
     try:
         ids = validate_mapping(d2t, t2d if t2d is not None and t2d.numel() == vocab_size else None)

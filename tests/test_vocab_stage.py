@@ -140,3 +140,29 @@ def test_entry_scripts_run_prepare_then_vocab(tmp_path, tiny_k25_target, tiny_co
     assert "records read 12" in p.stdout and "draft vocab 40 of 512" in p.stdout
     out = tmp_path / "stages" / "k25_mini"
     assert (out / "prepare" / "manifest.json").is_file() and (out / "vocab" / "vocab.safetensors").is_file()
+
+
+def test_the_init_mapping_is_read_from_any_shard_as_a_load_reads_it(tmp_path):
+    """d2t and t2d in two shards of an indexed drafter, names prefixed `model.` (as some exporters write them):
+    both found, by the rules a drafter load follows (eagle3/drafter/drafter_io.py read_named_tensors)."""
+    from data.vocab import read_init_mapping
+
+    ids = torch.tensor([0, 2, 3, 7])
+    d2t, t2d = ids - torch.arange(4), torch.zeros(10, dtype=torch.bool)
+    t2d[ids] = True
+    save_file({"model.d2t": d2t, "model.fc.weight": torch.zeros(2, 2)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"model.t2d": t2d}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {"model.d2t": "model-00001-of-00002.safetensors",
+                                            "model.fc.weight": "model-00001-of-00002.safetensors",
+                                            "model.t2d": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    got, note = read_init_mapping(tmp_path, 10)
+    assert got.tolist() == ids.tolist() and note["has_t2d"] is True
+    t2d[1] = True  # t2d now disagrees with d2t: the shard holding it was read
+    save_file({"model.t2d": t2d}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    with pytest.raises(VocabStageError, match="inconsistent d2t"):
+        read_init_mapping(tmp_path, 10)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(VocabStageError, match="names shards that do not exist"):
+        read_init_mapping(tmp_path, 10)

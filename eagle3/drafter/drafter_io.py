@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -139,6 +139,21 @@ def read_drafter_dir(drafter_dir: str | Path, id_rule: str = aux_layers.DEFAULT_
         with _open_weights(file) as f:
             shapes[name] = tuple(f.get_slice(stored).get_shape())
     return DrafterDir(drafter_dir, d, cfg, id_rule, listed, shapes, where, strict_problems(cfg, shapes, want))
+
+
+def read_named_tensors(drafter_dir: str | Path, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, Path]]:
+    """{canonical name: (tensor, the file holding it)} of those `names` the drafter directory stores, found by
+    the same rules as a load (the index or the single file, a consistent `model.` prefix), without reading its
+    config. A name not stored is absent; an unreadable or missing weight file is a DrafterLoadError."""
+    drafter_dir = Path(drafter_dir)
+    where = _canonical_names(_weight_files(drafter_dir, indexed_files(drafter_dir)), {})
+    out = {}
+    for name in names:
+        if name in where:
+            stored, file = where[name]
+            with _open_weights(file) as f:
+                out[name] = (f.get_tensor(stored), file)
+    return out
 
 
 def read_config_dict(drafter_dir: str | Path) -> dict:
