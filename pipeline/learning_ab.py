@@ -22,7 +22,8 @@ from pathlib import Path
 
 from eagle3.config import resolve
 from eagle3.config.conf import compose, to_schema
-from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest, sha256_file
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import atomic_write_bytes, atomic_write_json, read_manifest
 from pipeline.study import Evaluator, cached_record, curve, knobs_of, run_overrides, world_of
 from pipeline.study_report import load_records, machine, measured_on, metric_names, value
 from pipeline.study_stats import mean_std, welch_interval
@@ -65,7 +66,7 @@ def measure_arms(cfg, exp, log) -> None:
             label = run_label(arm.name, seed)
             train_dir = log.run(f"learning-ab: train {label}", "train", over)
             path = out_dir / RECORDS / f"{label}.json"
-            key = {"train_manifest_sha256": sha256_file(train_dir / "manifest.json"),
+            key = {"train_manifest_sha256": fp.stage_dir(train_dir),
                    "curve": [cfg.curve.points, cfg.curve.max_sequences, [k.label for k in knobs]]}
             if cached_record(path, key) is not None:
                 print(f"[learning-ab] {label}: measurements reused from {path}", flush=True)

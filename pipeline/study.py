@@ -28,7 +28,8 @@ from eagle3.config import resolve
 from eagle3.engines.serve_launch import SpecKnobs
 from eagle3.replay.knob_grid import knob_grid
 from eagle3.config.conf import as_plain_dict, compose, to_schema
-from eagle3.formats.manifest import atomic_write_json, sha256_file
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import atomic_write_json
 from pipeline.image_traffic import MISMATCH_INIT
 from pipeline.study_images import measure_mismatch, placeholder_run_name, traffic_metrics
 from pipeline.study_report import NGRAM_FILE, RECORDS, ZERO_SHOT, load_records, machine, write_report
@@ -190,7 +191,7 @@ def ngram_baseline(cfg, ev: Evaluator, path: Path) -> None:
     no-training alternative the knobs table sets beside the drafters."""
     from eagle3.replay.evaluate import simulate_accept_length
 
-    key = _record_key(cfg, None, {"capture": sha256_file(Path(ev.cfg.capture_dir) / "manifest.json")})
+    key = _record_key(cfg, None, {"capture": fp.stage_dir(Path(ev.cfg.capture_dir))})
     if cached_record(path, key) is not None:
         return
     sims = simulate_accept_length(None, ev.store, knobs=knob_grid(cfg.knob_grid),
@@ -199,8 +200,8 @@ def ngram_baseline(cfg, ev: Evaluator, path: Path) -> None:
 
 
 def _record_key(cfg, train_dir: Optional[Path], extra: dict) -> dict:
-    manifest = None if train_dir is None else train_dir / "manifest.json"
-    return {"train_manifest_sha256": sha256_file(manifest) if manifest and manifest.is_file() else None,
+    done = train_dir is not None and (train_dir / "manifest.json").is_file()
+    return {"train_manifest_sha256": fp.stage_dir(train_dir) if done else None,
             "curve": as_plain_dict(cfg.curve), "knob_grid": as_plain_dict(cfg.knob_grid),
             "forgetting_max_sequences": cfg.forgetting_max_sequences, "real_check": as_plain_dict(cfg.real_check),
             **extra}
@@ -254,7 +255,7 @@ def measure_world(cfg, exp, log, t0: float, world: int) -> None:
 
     def finished(name: str, drafter_dir: Path, train_dir: Optional[Path], points_fn, meta: dict) -> None:
         path = runs_dir / f"{name}.json"
-        key = _record_key(cfg, train_dir, {"drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
+        key = _record_key(cfg, train_dir, {"drafter_sha256": fp.drafter_weights(drafter_dir)})
         if cached_record(path, key) is not None:
             print(f"[study] {name}: measurements reused from {path}", flush=True)
             return

@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from eagle3.formats.manifest import atomic_write_json, sha256_file
+from eagle3 import fingerprints as fp
+from eagle3.formats.manifest import atomic_write_json
 from pipeline.image_traffic import CONVENTIONS, MISMATCH_INIT, image_sequences, traffic_tau
 from pipeline.study_stats import mean_std
 
@@ -40,7 +41,7 @@ def measure_mismatch(out_dir: Path, name: str, train_dirs: dict[str, Path], eval
     """Replay each trained drafter ({convention: train dir}) under both conventions; write and return the record
     (a cached one when both train manifests are unchanged)."""
     path = Path(out_dir) / MISMATCH / f"{name}.json"
-    key = {c: sha256_file(Path(d) / "manifest.json") for c, d in train_dirs.items()}
+    key = {c: fp.stage_dir(Path(d)) for c, d in train_dirs.items()}
     if path.is_file():
         try:
             old = json.loads(path.read_text())
