@@ -311,15 +311,19 @@ def evaluate_drafter(model, store, *, knobs: Sequence[SpecKnobs] = DEFAULT_KNOBS
             f"the drafter's draft vocab holds only {100 * report['vocab_coverage']:.1f}% of the target's greedy tokens "
             f"on this split: its vocab mapping (d2t/t2d) was not built for this target (rebuild it with `make vocab` "
             f"and remap the lm_head, i.e. train with +init=...); tokens outside it can never be drafted")
-    first = next(iter(sims.values()))["drafter"]
+    label, by_name = next(iter(sims.items()))
+    first = by_name["drafter"]
     rate = first.mismatches / first.assistant_positions if first.assistant_positions else 0.0
     report["mismatch_rate"] = rate
     if rate > MISMATCH_WARN:
+        cap = by_name["ceiling"]
         report["warnings"].append(
             f"{100 * rate:.1f}% of assistant positions are not the target's greedy choice (input_ids[t+1] != "
             f"target_argmax[t]): the sequences were not generated greedily by this target (regenerate them in "
             f"the prepare stage). The replay only scores greedy-consistent stretches and restarts after each "
-            f"mismatch, so its accept length is a lower-bound-like estimate on shortened generations.")
+            f"mismatch, so its accept length is a lower-bound-like estimate on shortened generations"
+            + (f": here no drafter could score above {cap.accept_length:.2f} at {label} (the ceiling)."
+               if cap.cycles else "."))
     if first.cycles == 0:
         report["warnings"].append("no verify cycle could be replayed: no assistant span of 2+ greedy tokens")
     return report
