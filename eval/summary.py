@@ -9,7 +9,7 @@ def _f(x, nd=2) -> str:
 
 
 def verdict_lines(report: dict) -> list[str]:
-    """One line per knob setting: the drafter's (and n-gram's) predicted speed on the configured server."""
+    """Per knob setting: the drafter's (and n-gram's, and the ceiling's) predicted speed on the configured server."""
     lines = []
     for label, entry in (report.get("cost") or {}).get("by_knob", {}).items():
         d = entry.get("drafter")
@@ -20,6 +20,10 @@ def verdict_lines(report: dict) -> list[str]:
         if n:
             lines.append(f"[{label}] n-gram: {'FASTER' if n['wins'] else 'SLOWER'} ({n['spec_tok_s']:.1f} tok/s, "
                          f"{n['speedup']:.2f}x at accept length {n['accept_length']:.2f})")
+        c = entry.get("ceiling")
+        if c:  # a drafter always right on this store: when even it loses, the traffic, not the drafter, decides
+            lines.append(f"[{label}] ceiling (a drafter always right): {c['speedup']:.2f}x at accept length "
+                         f"{c['accept_length']:.2f}")
     return lines
 
 

@@ -68,6 +68,8 @@ def test_run_eval_writes_report_plots_manifest_and_reuses(world, tiny_k25_target
     tree = report["real_loop"]["knobs"]["2/2/4"]
     assert tree["lossless"] and abs(tree["real_accept_length"] - tree["sim_accept_length"]) <= 0.05
     assert report["best"]["label"] in ("2/1/3", "2/2/4") and report["best"]["wins"] is False
+    ceiling = report["cost"]["by_knob"]["2/1/3"]["ceiling"]  # the most any drafter could gain on this store
+    assert ceiling["speedup"] >= report["cost"]["by_knob"]["2/1/3"]["drafter"]["speedup"]
     verdict = report["cost"]["by_knob"]["2/1/3"]["drafter"]
     assert verdict["baseline_tok_s"] == pytest.approx(82.0) and verdict["break_even_accept_length"] > 2.4
     for name in ("accuracy_per_step.png", "accept_histogram.png", "acceptance_by_position.png"):
