@@ -129,8 +129,9 @@ def comparison_rows(reports: dict[str, dict], knob_labels: list[str]) -> list[di
             ngram[f"sim {label}"] = entry["ngram"]["accept_length"]
             ngram[f"real {label}"] = float("nan")
             ngram[f"speedup {label}"] = (by_knob.get("ngram") or {}).get("speedup", float("nan"))
-            ceiling.update({f"sim {label}": (entry.get("ceiling") or {}).get("accept_length", nan),
-                            f"real {label}": nan, f"speedup {label}": nan})
+            cap = entry.get("ceiling") or {}
+            ceiling.update({f"sim {label}": cap.get("accept_length", nan), f"real {label}": nan,
+                            f"speedup {label}": (by_knob.get("ceiling") or {}).get("speedup", nan)})
         row.update(image_traffic.traffic_columns(rep, knob_labels[0]))
         rows.append(row)
     first = next(iter(reports.values()))
