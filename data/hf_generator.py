@@ -84,6 +84,7 @@ class HFGenerator:
         kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
         if self.no_repeat_ngram_size:  # over each row's prompt and answer (left pads never end a real n-gram)
             kwargs["no_repeat_ngram_size"] = self.no_repeat_ngram_size
+        sampler = None
         if temp > 0 or self.canonical_tokens:
             from transformers import LogitsProcessorList
 
@@ -108,7 +109,7 @@ class HFGenerator:
                 out = self.model.generate(input_ids=batch.to(self._device), attention_mask=attn.to(self._device),
                                           **kwargs)
             finally:  # a batch that fails and is redone row by row still refused those picks
-                self.vetoed_tokens += sampler.vetoed if "logits_processor" in kwargs else 0
+                self.vetoed_tokens += sampler.vetoed if sampler is not None else 0
         results = []
         for row in out[:, longest:].tolist():
             stop_at = next((j for j, t in enumerate(row) if t in self.stop_ids), None)

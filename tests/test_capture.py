@@ -337,7 +337,8 @@ def test_torchrun_two_processes_read_like_one(tmp_path, targets, prepared):
               "splits=[validation]"]
     run_capture(to_schema(compose("capture", [*common, f"out_dir={tmp_path / 'one'}"]), CaptureConfig), Dist())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", str(free_port()), str(REPO_ROOT / "data" / "run_capture.py"), *common, f"out_dir={tmp_path / 'two'}"]
+                "--master_port", str(free_port()), str(REPO_ROOT / "data" / "run_capture.py"), *common,
+                f"out_dir={tmp_path / 'two'}"]
     res = subprocess.run(torchrun, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
